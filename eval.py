@@ -1,0 +1,666 @@
+"""
+Evaluation of ModernBERT checkpoints: how far a run's representations moved (CKA), what they are worth
+downstream (fine-tuning), and how well the MLM head still predicts.
+
+    python eval.py cka RUN_CLM RUN_MLM_A --control=RUN_MLM_B --texts=heldout.jsonl --out=out/cka.json
+    python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
+    python eval.py table out/ft_mlm.json out/ft_clm.json
+    python eval.py mlm RUN --data=data/demo
+
+A model is a Hugging Face ModernBERT directory (or hub id) or one of our run directories. Sections:
+models and tokenizers, metrics (as scikit-learn and seqeval compute them), CKA (SPEC §4), tasks (the two
+formats of data/README.md), fine-tuning (SPEC §5), MLM quality, command line.
+"""
+import argparse
+import contextlib
+import copy
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import DataError, load_meta, load_tokenizer, val_batches
+from model import IGNORE_INDEX, ModernBERT, resolve_checkpoint, write_json
+
+# ----------------------------------------------------------------------------
+# Models, tokenizers, batches
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def autocast(device):
+    """bf16 autocast on CUDA, as the runs train; fp32 on CPU, where bf16 is slow and buys nothing."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def find_tokenizer(model_dir, spec=None):
+    """--tokenizer if given, else the directory's tokenizer.json, else the spec our trainer records in state.json."""
+    if spec:
+        return load_tokenizer(spec)
+    folder = Path(model_dir)
+    if (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder / "tokenizer.json")
+    if (folder / "state.json").is_file():
+        recorded = json.loads((folder / "state.json").read_text()).get("tokenizer")
+        if recorded:
+            return load_tokenizer(recorded)
+    raise DataError(f"{model_dir}: no tokenizer.json and no 'tokenizer' in state.json; pass --tokenizer "
+                    f"(a tokenizer.json, a hub id, or 'bytes')")
+
+
+def load_model(path, device, tokenizer=None):
+    """(model in eval mode on device, its tokenizer), after checking that both agree on the special ids."""
+    local = resolve_checkpoint(str(path))
+    tok = find_tokenizer(local, tokenizer)
+    model = ModernBERT.from_pretrained(local).to(device).eval()
+    c = model.config
+    ours, theirs = (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id), (c.cls_token_id, c.sep_token_id,
+                                                                       c.pad_token_id, c.mask_token_id)
+    if ours != theirs or tok.vocab_size > c.vocab_size:
+        raise DataError(f"{path}: tokenizer {tok.spec} (cls, sep, pad, mask = {ours}, vocab {tok.vocab_size}) does "
+                        f"not fit the model (ids {theirs}, vocab {c.vocab_size}); pass the right --tokenizer")
+    return model, tok
+
+
+def pad_batch(seqs, pad_value, device):
+    """list of id lists -> (B, T) long tensor padded on the right, and its (B, T) attention mask."""
+    T = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad_value] * (T - len(s)) for s in seqs], device=device)
+    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=device)
+    return ids, mask
+
+
+def batches_by_length(seqs, batch_size):
+    """Index arrays of batch_size sequences of similar length (evaluation only: order does not matter there)."""
+    order = np.argsort([len(s) for s in seqs], kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+# ----------------------------------------------------------------------------
+# Metrics, written out here and tested against scikit-learn and seqeval (which are not dependencies)
+
+
+def f1_scores(true, pred):
+    """Macro- and micro-F1 of (n, C) indicator matrices, as sklearn.metrics.f1_score(zero_division=0):
+    per column 2TP / (2TP + FP + FN), and 0 for a column with no true and no predicted positive."""
+    true, pred = np.asarray(true, bool), np.asarray(pred, bool)
+    tp, fp, fn = (true & pred).sum(0), (~true & pred).sum(0), (true & ~pred).sum(0)
+
+    def f1(tp, fp, fn):
+        denominator = 2 * tp + fp + fn
+        return np.where(denominator > 0, 2 * tp / np.maximum(denominator, 1), 0.0)
+
+    macro = f1(tp, fp, fn).mean() if tp.size else 0.0
+    return {"macro_f1": float(macro), "micro_f1": float(f1(tp.sum(), fp.sum(), fn.sum()))}
+
+
+def label_f1(true, pred):
+    """Single-label F1 over the labels found in either list (sklearn's default `labels`): one-hot columns."""
+    labels = sorted(set(true) | set(pred))
+    column = {label: i for i, label in enumerate(labels)}
+    one_hot = np.eye(len(labels), dtype=bool)
+    return f1_scores(one_hot[[column[x] for x in true]], one_hot[[column[x] for x in pred]])
+
+
+def entities(tags):
+    """Entity spans (type, first, last) of one IOB2 sentence, read as seqeval's default mode reads them: an I-
+    that does not continue an entity of its own type starts a new one, as a B- does."""
+    spans, current = [], None  # current: (type, first) of the entity being read
+    for i, tag in enumerate([*tags, "O"]):
+        prefix, kind = tag[:1], tag[2:]
+        if current and (prefix != "I" or kind != current[0]):
+            spans.append((*current, i - 1))
+            current = None
+        if prefix == "B" or (prefix == "I" and current is None):
+            current = (kind, i)
+    return spans
+
+
+def entity_f1(true, pred):
+    """Micro-F1 over exactly matching (sentence, type, span) entities: seqeval.metrics.f1_score, default mode."""
+    gold = {(s, *span) for s, tags in enumerate(true) for span in entities(tags)}
+    found = {(s, *span) for s, tags in enumerate(pred) for span in entities(tags)}
+    return 2 * len(gold & found) / (len(gold) + len(found)) if gold or found else 0.0
+
+
+# ----------------------------------------------------------------------------
+# CKA (SPEC §4): per layer, how similar two models' representations of the same texts are
+
+
+def linear_cka(X, Y):
+    """Linear CKA of (n, p) and (n, q) features, in float64: float32, or centring after forming the n x n Gram
+    matrices, cancels catastrophically on deep layers, whose features share a large common offset."""
+    X = np.asarray(X, np.float64).reshape(len(X), -1)
+    Y = np.asarray(Y, np.float64).reshape(len(Y), -1)
+    X, Y = X - X.mean(0), Y - Y.mean(0)
+    return float(np.linalg.norm(Y.T @ X) ** 2 / (np.linalg.norm(X.T @ X) * np.linalg.norm(Y.T @ Y)))
+
+
+@torch.no_grad()
+def layer_means(model, tok, texts, max_len, batch_size, device):
+    """(L, len(texts), d) float64: each text's attention-masked mean of every block output (before final_norm)."""
+    seqs = [[tok.cls_id, *ids[:max_len - 2], tok.sep_id] for ids in tok.encode_batch(texts)]
+    c = model.config
+    out = torch.empty(c.num_hidden_layers, len(seqs), c.hidden_size, dtype=torch.float64)
+    for idx in batches_by_length(seqs, batch_size):
+        ids, mask = pad_batch([seqs[i] for i in idx], tok.pad_id, device)
+        with autocast(device):
+            layers = model.hidden_states(ids, mask)  # L x (B, T, d)
+        weight = mask[..., None].double()  # (B, T, 1)
+        for layer, h in enumerate(layers):
+            out[layer, torch.from_numpy(idx)] = ((h.double() * weight).sum(1) / weight.sum(1)).cpu()
+    return out.numpy()
+
+
+def ratio(divergence, control):
+    """Divergence in control units. A control below 1e-12 is float64 rounding of zero: the ratio is then inf
+    (or nan when the pair does not diverge either); Python's json writes these as Infinity / NaN."""
+    if control < 1e-12:
+        return math.inf if divergence >= 1e-12 else math.nan
+    return divergence / control
+
+
+def cka(model_a, model_b, texts, control=None, n=500, seeds=(42, 43, 44), max_len=512, out="cka.json",
+        batch_size=16, tokenizer=None, device=None):
+    """Per-layer CKA of A and B (and of A and the seed control C), mean over the sampling seeds.
+    Writes out (JSON) and a PNG of the divergences beside it; returns the JSON's dict."""
+    device = device or default_device()
+    pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
+    if n > len(pool):
+        raise DataError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
+    draws = {seed: np.random.default_rng(seed).choice(len(pool), n, replace=False) for seed in seeds}
+    union = np.unique(np.concatenate(list(draws.values())))  # each text goes through each model once
+    paths = [model_a, model_b] + ([control] if control else [])
+    models = [load_model(p, device, tokenizer) for p in paths]
+    depths = [m.config.num_hidden_layers for m, _ in models]
+    if len(set(depths)) > 1:
+        raise DataError(f"models have different numbers of layers: {dict(zip(map(str, paths), depths))}")
+    features = [layer_means(m, tok, [pool[i] for i in union], max_len, batch_size, device) for m, tok in models]
+    layers = list(range(depths[0]))
+
+    def per_layer(other, rows):  # CKA of A with `other` at every layer, on the texts of one draw
+        return [linear_cka(features[0][layer, rows], features[other][layer, rows]) for layer in layers]
+
+    per_seed = {}
+    for seed, draw in draws.items():
+        rows = np.searchsorted(union, draw)
+        per_seed[seed] = {"cka": per_layer(1, rows), **({"control_cka": per_layer(2, rows)} if control else {})}
+    mean = {key: np.mean([s[key] for s in per_seed.values()], axis=0) for key in per_seed[seeds[0]]}
+    result = {"layers": layers, "cka": mean["cka"].tolist(), "divergence": (1 - mean["cka"]).tolist()}
+    if control:
+        result["control_divergence"] = (1 - mean["control_cka"]).tolist()
+        result["ratio"] = [ratio(d, c) for d, c in zip(result["divergence"], result["control_divergence"])]
+    result["per_seed"] = per_seed
+    result["args"] = dict(model_a=str(model_a), model_b=str(model_b), control=control and str(control),
+                          texts=str(texts), n=n, seeds=list(seeds), max_len=max_len, tokenizer=tokenizer)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_json(str(out), result)
+
+    print(f"linear CKA, {model_a} vs {model_b}" + (f" (control: {model_a} vs {control})" if control else "")
+          + f", mean of {len(seeds)} draws of {n} texts")
+    print(f"{'layer':>5} {'CKA':>10} {'1 - CKA':>10}" + (f" {'control':>10} {'ratio':>8}" if control else ""))
+    for layer in layers:
+        line = f"{layer:>5} {result['cka'][layer]:>10.6f} {result['divergence'][layer]:>10.3e}"
+        if control:
+            line += f" {result['control_divergence'][layer]:>10.3e} {result['ratio'][layer]:>8.2f}"
+        print(line)
+    plot_divergence(result, Path(out).with_suffix(".png"))
+    return result
+
+
+def plot_divergence(result, path):
+    """Divergence by layer for the pair and the seed control, as in the paper's figure."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display on a training node
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (the JSON has every number)")
+        return
+    a, b, c = (Path(result["args"][k] or "").name for k in ("model_a", "model_b", "control"))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(result["layers"], result["divergence"], "o-", label=f"{a} vs {b}")
+    if "control_divergence" in result:
+        ax.plot(result["layers"], result["control_divergence"], "s--", label=f"{a} vs {c} (seed control)")
+    if min(result["divergence"] + result.get("control_divergence", [])) > 0:
+        ax.set_yscale("log")  # the paper's ratios span 1x to 44x
+    ax.set(xlabel="layer", ylabel="1 - linear CKA", title="representation divergence by layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------
+# Tasks: token<TAB>tag files (token classification) or JSONL (sequence classification), checked in full
+# before any training, so that a typo in a test file does not cost a run
+
+SPLITS = ("train", "dev", "test")
+
+
+def read_tsv(path):
+    """Sentences of an IOB2 token<TAB>tag file, a blank line between sentences."""
+    sentences, words, tags, first = [], [], [], 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                if words:
+                    sentences.append({"words": words, "label": tags, "line": first})
+                    words, tags = [], []
+                continue
+            parts = line.split("\t")
+            iob2 = len(parts) == 2 and (parts[1] == "O" or parts[1][:2] in ("B-", "I-") and len(parts[1]) > 2)
+            if not iob2 or not parts[0]:
+                raise DataError(f"{path}:{number}: expected token<TAB>tag with an IOB2 tag (O, B-type, I-type), "
+                                f"got {line!r}")
+            first = first if words else number
+            words.append(parts[0])
+            tags.append(parts[1])
+    return sentences + ([{"words": words, "label": tags, "line": first}] if words else [])
+
+
+def read_jsonl(path, labelled=True):
+    """Examples of a JSONL file: text, optional text_pair, label (a string, or a list of strings: multi-label)."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
+            row = row if isinstance(row, dict) else {}
+            label = row.get("label")
+            ok = isinstance(row.get("text"), str) and isinstance(row.get("text_pair") or "", str)
+            if labelled:
+                ok = ok and isinstance(label, (str, list)) and all(isinstance(x, str) for x in label)
+            if not ok:
+                raise DataError(f"{path}:{number}: expected an object with 'text' (a string)" + (", 'label' (a string "
+                                "or a list of strings) and optionally 'text_pair' (a string)" if labelled else ""))
+            examples.append({"text": row["text"], "text_pair": row.get("text_pair"), "label": label, "line": number})
+    return examples
+
+
+def read_task(folder):
+    """{"name", "kind": token | single | multi, "labels", "files", "train", "dev", "test"} of a task folder."""
+    folder = Path(folder)
+    found = {ext for ext in (".tsv", ".jsonl") for s in SPLITS if (folder / f"{s}{ext}").is_file()}
+    if len(found) != 1:
+        raise DataError(f"{folder}: expected train/dev/test.tsv (token classification) or train/dev/test.jsonl "
+                        f"(sequence classification), found {'both' if found else 'neither'}")
+    ext = found.pop()
+    files = {s: folder / f"{s}{ext}" for s in SPLITS}
+    for split, path in files.items():
+        if not path.is_file():
+            raise DataError(f"{folder}: missing {path.name} (a task needs {', '.join(p.name for p in files.values())})")
+    task = {"name": folder.name, "files": {s: str(p) for s, p in files.items()}}
+    task.update({s: (read_tsv if ext == ".tsv" else read_jsonl)(p) for s, p in files.items()})
+    for split in SPLITS:
+        if not task[split]:
+            raise DataError(f"{files[split]}: no examples")
+    multi = isinstance(task["train"][0]["label"], list)
+    task["kind"] = "token" if ext == ".tsv" else "multi" if multi else "single"
+    task["primary"] = "entity_f1" if task["kind"] == "token" else "macro_f1"  # what picks the best epoch (SPEC §5)
+    known = set()
+    for split in SPLITS:  # train defines the label set; dev and test may only use it
+        for ex in task[split]:
+            if ext == ".jsonl" and isinstance(ex["label"], list) != multi:
+                raise DataError(f"{files[split]}:{ex['line']}: label {ex['label']!r} mixes single-label and "
+                                f"multi-label examples (the first train example decides)")
+            for k, label in enumerate([ex["label"]] if task["kind"] == "single" else ex["label"]):
+                if split == "train":
+                    known.add(label)
+                elif label not in known:
+                    line = ex["line"] + k if task["kind"] == "token" else ex["line"]
+                    raise DataError(f"{files[split]}:{line}: label {label!r} does not occur in {files['train']}")
+    if not known:
+        raise DataError(f"{files['train']}: no labels at all")
+    task["labels"] = sorted(known)
+    return task
+
+
+def fit_pair(a, b, budget):
+    """Truncate the longer of two id lists first, one token at a time (ties cut b), to len(a) + len(b) <= budget."""
+    kept_b = min(len(b), max(budget // 2, budget - len(a)))
+    return a[:budget - kept_b], b[:kept_b]
+
+
+def encode_task(task, examples, tok, max_len):
+    """(ids, target) per example. target: a class index (single), a multi-hot list (multi), or one label per
+    token (token: the class of a word on its first sub-token, -100 elsewhere)."""
+    column = {label: i for i, label in enumerate(task["labels"])}
+    if task["kind"] == "token":
+        # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space in the token.
+        words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]
+        pieces = iter(tok.encode_batch(words))
+        out = []
+        for ex in examples:
+            ids, target = [tok.cls_id], [IGNORE_INDEX]
+            for word, tag in zip([next(pieces) for _ in ex["words"]], ex["label"]):
+                if len(ids) + len(word) > max_len - 1:  # whole words only; the cut ones count as predicted "O"
+                    break
+                ids += word
+                target += [column[tag]] + [IGNORE_INDEX] * (len(word) - 1)
+            out.append((ids + [tok.sep_id], target + [IGNORE_INDEX]))
+        return out
+    texts = tok.encode_batch([ex["text"] for ex in examples])
+    pairs = tok.encode_batch([ex["text_pair"] or "" for ex in examples])
+    out = []
+    for ex, a, b in zip(examples, texts, pairs):
+        if ex["text_pair"] is None:
+            ids = [tok.cls_id, *a[:max_len - 2], tok.sep_id]
+        else:
+            a, b = fit_pair(a, b, max_len - 3)
+            ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
+        target = column[ex["label"]] if task["kind"] == "single" else [float(x in ex["label"]) for x in task["labels"]]
+        out.append((ids, target))
+    return out
+
+
+def collate(batch, kind, pad_id, device):
+    """(ids, attention mask, targets) tensors of a list of (ids, target)."""
+    ids, mask = pad_batch([ids for ids, _ in batch], pad_id, device)
+    if kind == "token":
+        targets, _ = pad_batch([t for _, t in batch], IGNORE_INDEX, device)  # (B, T)
+    else:
+        targets = torch.tensor([t for _, t in batch], device=device)  # (B,) or (B, C) multi-hot
+    return ids, mask, targets
+
+
+def score(task, examples, preds):
+    """Metrics of predictions against the gold labels of examples."""
+    gold = [ex["label"] for ex in examples]
+    if task["kind"] == "token":
+        flat = label_f1([t for tags in gold for t in tags], [t for tags in preds for t in tags])
+        return {"entity_f1": entity_f1(gold, preds), **flat}
+    if task["kind"] == "multi":
+        indicator = lambda sets: [[label in s for label in task["labels"]] for s in sets]
+        return f1_scores(indicator(gold), indicator(preds))
+    return label_f1(gold, preds)
+
+
+def majority(task, examples):
+    """The majority-class baseline: train's most frequent label (tag) everywhere; multi-label, every label that
+    more than half of the train examples carry."""
+    train = task["train"]
+    if task["kind"] == "multi":
+        counts = Counter(x for ex in train for x in ex["label"])
+        return [[x for x in task["labels"] if counts[x] > len(train) / 2] for _ in examples]
+    if task["kind"] == "token":
+        top = Counter(t for ex in train for t in ex["label"]).most_common(1)[0][0]
+        return [[top] * len(ex["words"]) for ex in examples]
+    top = Counter(ex["label"] for ex in train).most_common(1)[0][0]
+    return [top for _ in examples]
+
+
+# ----------------------------------------------------------------------------
+# Fine-tuning (SPEC §5)
+
+
+class Classifier(nn.Module):
+    """Encoder, its pretrained head transform (dense, GELU, norm: as HF's ModernBert*Classification), dropout,
+    and a linear layer, on the pooled vector (sequence tasks) or on every token (token tasks)."""
+
+    def __init__(self, encoder, n_labels, per_token, pooling="cls", dropout=0.0):
+        super().__init__()
+        self.encoder, self.per_token, self.pooling = encoder, per_token, pooling
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(encoder.config.hidden_size, n_labels)
+        std = encoder.config.hidden_size ** -0.5  # HF ModernBERT's classifier init ("final_out")
+        nn.init.trunc_normal_(self.classifier.weight, std=std, a=-2 * std, b=2 * std)
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, ids, mask):
+        h = self.encoder.encode(ids, mask)  # (B, T, d)
+        if not self.per_token:
+            m = mask[..., None].to(h.dtype)
+            h = h[:, 0] if self.pooling == "cls" else (h * m).sum(1) / m.sum(1)  # (B, d)
+        return self.classifier(self.dropout(self.encoder.head_hidden(h)))  # (B, C) or (B, T, C)
+
+
+def loss_fn(kind, logits, targets):
+    if kind == "multi":
+        return F.binary_cross_entropy_with_logits(logits, targets)
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@torch.no_grad()
+def predict(model, task, examples, encoded, batch_size, pad_id, device):
+    """One prediction per example: a label, a list of labels (multi: logit > 0), or one tag per word."""
+    model.eval()
+    labels, preds = task["labels"], [None] * len(encoded)
+    for idx in batches_by_length([ids for ids, _ in encoded], batch_size):
+        ids, mask, targets = collate([encoded[i] for i in idx], task["kind"], pad_id, device)
+        with autocast(device):
+            logits = model(ids, mask).float().cpu()
+        targets = targets.cpu()
+        for row, i in enumerate(idx):
+            if task["kind"] == "single":
+                preds[i] = labels[logits[row].argmax()]
+            elif task["kind"] == "multi":
+                preds[i] = [label for label, z in zip(labels, logits[row]) if z > 0]
+            else:  # first sub-tokens are where targets are set (their positions are used, not their values)
+                words = logits[row][targets[row] != IGNORE_INDEX].argmax(-1).tolist()
+                preds[i] = [labels[k] for k in words] + ["O"] * (len(examples[i]["words"]) - len(words))
+    return preds
+
+
+def train_seed(base, task, data, encoded, seed, epochs, lr, batch_size, pooling, pad_id, device):
+    """Fine-tune a copy of base; the epoch with the best dev primary metric is evaluated on test."""
+    torch.manual_seed(seed)  # the classifier init and dropout
+    model = Classifier(copy.deepcopy(base), len(task["labels"]), task["kind"] == "token", pooling).to(device)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW([  # no decay on biases and norms, as HF's Trainer
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+    train = encoded["train"]
+    per_epoch = math.ceil(len(train) / batch_size)
+    # linear decay to 0 and no warmup: with few steps per epoch a warmup would take a large share of the run
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (epochs * per_epoch))
+    shuffle = torch.Generator().manual_seed(seed)
+    primary = task["primary"]
+    best, start = None, time.time()
+    for epoch in range(1, epochs + 1):
+        model.train()
+        total = torch.zeros((), device=device)
+        for idx in torch.randperm(len(train), generator=shuffle).split(batch_size):
+            ids, mask, targets = collate([train[i] for i in idx], task["kind"], pad_id, device)
+            with autocast(device):
+                logits = model(ids, mask)
+            loss = loss_fn(task["kind"], logits.float(), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's default max_grad_norm
+            optimizer.step()
+            schedule.step()
+            total += loss.detach()
+        dev = score(task, data["dev"], predict(model, task, data["dev"], encoded["dev"], batch_size, pad_id, device))
+        better = best is None or dev[primary] > best["dev"][primary]
+        if better:  # the best epoch's weights, kept in memory
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best = {"dev": dev, "best_epoch": epoch, "state": state}
+        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {total.item() / per_epoch:.4f}, "
+              f"dev {primary} {dev[primary]:.4f}{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
+    model.load_state_dict(best.pop("state"))
+    test = score(task, data["test"], predict(model, task, data["test"], encoded["test"], batch_size, pad_id, device))
+    return {**best, "test": test, "seconds": round(time.time() - start, 2)}
+
+
+def subset(examples, n):
+    """n examples drawn with a fixed seed (the same for every run seed); all when n is None or too large."""
+    if n is None or n >= len(examples):
+        return examples
+    return [examples[i] for i in np.sort(np.random.default_rng(0).choice(len(examples), n, replace=False))]
+
+
+def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5, max_len=512,
+             train_subset=None, eval_subset=None, batch_size=16, pooling="cls", device=None, tokenizer=None):
+    """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and returns it."""
+    device = device or default_device()
+    tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
+    names = [t["name"] for t in tasks]
+    if len(set(names)) < len(names):
+        raise DataError(f"task folders must have distinct names, got {names}")
+    base, tok = load_model(model, device, tokenizer)
+    args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len, train_subset=train_subset,
+                eval_subset=eval_subset, batch_size=batch_size, pooling=pooling, tokenizer=tok.spec)
+    results = {"model": str(model), "args": args, "tasks": {}}
+    for task in tasks:
+        data = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
+        encoded = {s: encode_task(task, data[s], tok, max_len) for s in SPLITS}
+        n_epochs = epochs or (20 if task["kind"] == "token" else 10)
+        primary = task["primary"]
+        print(f"{task['name']}: {task['kind']}, {len(task['labels'])} labels, "
+              f"{'/'.join(str(len(data[s])) for s in SPLITS)} examples, {n_epochs} epochs")
+        runs = {str(seed): train_seed(base, task, data, encoded, seed, n_epochs, lr, batch_size, pooling, tok.pad_id,
+                                      device) for seed in seeds}
+        metrics = list(runs[str(seeds[0])]["test"])
+        values = {m: [r["test"][m] for r in runs.values()] for m in metrics}
+        summary = {"task": task["name"], "kind": task["kind"], "labels": task["labels"], "primary": primary,
+                   "epochs": n_epochs, "seeds": runs, "mean": {m: float(np.mean(v)) for m, v in values.items()},
+                   # sample standard deviation (ddof=1) over seeds, as papers report it; 0 for a single seed
+                   "std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()},
+                   "baseline": {"test": score(task, data["test"], majority(task, data["test"]))}}
+        results["tasks"][task["name"]] = summary
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(str(out), results)
+        shown = ", ".join(f"{m} {100 * summary['mean'][m]:.2f} ± {100 * summary['std'][m]:.2f}" for m in metrics)
+        print(f"{task['name']}: test {shown} over {len(seeds)} seeds; majority baseline {primary} "
+              f"{100 * summary['baseline']['test'][primary]:.2f}")
+    return results
+
+
+def table(files):
+    """Models side by side: a row per task, a column per results file, cells mean ± std (x100) over seeds."""
+    loaded = []
+    for path in files:
+        try:
+            loaded.append(json.loads(Path(path).read_text())["tasks"])
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"{path}: not a results file of `eval.py finetune` ({type(e).__name__}: {e})") from None
+
+    def cell(r):
+        if r is None:
+            return "-"
+        text = lambda m: f"{100 * r['mean'][m]:.2f} ± {100 * r['std'][m]:.2f}"
+        return text(r["primary"]) + (f" (macro {text('macro_f1')})" if r["primary"] != "macro_f1" else "")
+
+    names = list(dict.fromkeys(name for tasks in loaded for name in tasks))
+    primary = {name: next(t[name]["primary"] for t in loaded if name in t) for name in names}
+    rows = [["task", *map(str, files)]] + [[f"{name} [{primary[name]}]", *(cell(t.get(name)) for t in loaded)]
+                                          for name in names]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    print(text)
+    return text
+
+
+# ----------------------------------------------------------------------------
+# MLM quality: masked-token loss and accuracy on fixed validation batches
+
+
+@torch.no_grad()
+def mlm(model, data, n_sequences=64, seq_len=512, seed=0, batch_size=8, device=None):
+    """15% of the non-special positions chosen with a fixed seed (80% [MASK], 10% random, 10% kept, as in training);
+    loss and accuracy (argmax == original id) over all chosen positions of the first n_sequences windows."""
+    device = device or default_device()
+    net = ModernBERT.from_pretrained(resolve_checkpoint(str(model))).to(device).eval()
+    meta, c = load_meta(data), net.config
+    if meta["mask_id"] != c.mask_token_id or meta["vocab_size"] > c.vocab_size:
+        raise DataError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab {meta['vocab_size']}, but {model} "
+                        f"has mask id {c.mask_token_id} and vocab {c.vocab_size}")
+    total_loss, correct, count, sequences = 0.0, 0, 0, 0
+    for x, y in val_batches(data, seq_len, n_sequences, batch_size, "mlm", mask_rate=0.15, seed=seed):
+        x, y = x.to(device), y.to(device)
+        chosen = y != IGNORE_INDEX  # (B, T)
+        with autocast(device):
+            logits = net.predict(net.encode(x)[chosen]).float()  # (M, vocab): the head on chosen positions only
+        total_loss += F.cross_entropy(logits, y[chosen], reduction="sum").item()
+        correct += (logits.argmax(-1) == y[chosen]).sum().item()
+        count, sequences = count + int(chosen.sum()), sequences + len(x)
+    if count == 0:
+        raise DataError(f"{data}/val.bin: no masked positions in {sequences} sequences")
+    result = {"loss": total_loss / count, "accuracy": correct / count, "masked_tokens": count, "sequences": sequences,
+              "seq_len": seq_len, "seed": seed}
+    print(f"{model} on {data}/val.bin: MLM loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
+          f"({count:,} masked tokens in {sequences} sequences of {seq_len})")
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Command line
+
+
+def seed_list(text):
+    return tuple(int(s) for s in text.split(","))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    with_tokenizer = argparse.ArgumentParser(add_help=False, parents=[common])
+    with_tokenizer.add_argument("--tokenizer", default=None, help="tokenizer.json, hub id or 'bytes' (default: the "
+                                "model directory's tokenizer.json, else the spec in its state.json)")
+
+    p = sub.add_parser("cka", parents=[with_tokenizer], help="per-layer linear CKA of two models (and a seed control)")
+    p.add_argument("model_a")
+    p.add_argument("model_b")
+    p.add_argument("--control", default=None, help="a run differing from model_a only in its training seed")
+    p.add_argument("--texts", required=True, help="JSONL with a 'text' field (held-out texts)")
+    p.add_argument("--n", type=int, default=500)
+    p.add_argument("--seeds", type=seed_list, default=(42, 43, 44), help="sampling seeds, e.g. 42,43,44")
+    p.add_argument("--max_len", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--out", default="cka.json", help="JSON; the plot goes beside it as .png")
+
+    p = sub.add_parser("finetune", parents=[with_tokenizer], help="fine-tune on task folders, several seeds")
+    p.add_argument("model")
+    p.add_argument("--task", dest="tasks", action="append", required=True, help="a task folder; repeat for more")
+    p.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46))
+    p.add_argument("--out", default="results.json")
+    p.add_argument("--epochs", type=int, default=None, help="default: 10, or 20 for token classification")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--max_len", type=int, default=512)
+    p.add_argument("--train_subset", type=int, default=None, help="train on this many examples (fixed draw)")
+    p.add_argument("--eval_subset", type=int, default=None, help="dev and test on this many examples (fixed draw)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+
+    p = sub.add_parser("table", help="results files of `finetune` side by side")
+    p.add_argument("files", nargs="+")
+
+    p = sub.add_parser("mlm", parents=[common], help="masked-token loss and accuracy on val.bin")
+    p.add_argument("model")
+    p.add_argument("--data", required=True, help="a directory prepared by data.py")
+    p.add_argument("--n_sequences", type=int, default=64)
+    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch_size", type=int, default=8)
+
+    args = vars(parser.parse_args(argv))
+    command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm}[args.pop("command")]
+    try:
+        command(**args)
+    except (ValueError, FileNotFoundError) as e:  # bad input (DataError is a ValueError; so are bad configs)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

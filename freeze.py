@@ -1,0 +1,40 @@
+"""Layer-range freezing for the paper's interventions (SPEC §3): frozen means unchanged.
+
+`--freeze=0-7` (also `8-14`, `0,2,5`, `low`, `mid`) names transformer blocks. The trainer zeroes their
+gradients after each backward pass (what the paper does) AND tells the optimizer to skip them:
+under AdamW, zero gradients alone still move a parameter through its stale moments and the weight
+decay, so zeroing alone does not freeze anything.
+"""
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """'0-7' | '8-14' | '0,2,5' | 'low' (first third) | 'mid' (second third) | '' (none) -> sorted block indices."""
+    spec = spec.strip()
+    third = round(n_layers / 3)  # 22 layers: low = 0-7, mid = 8-14, as in the paper
+    presets = {"": [], "none": [], "low": range(0, third + 1), "mid": range(third + 1, 2 * third + 1)}
+    if spec in presets:
+        return list(presets[spec])
+    layers = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"--freeze={spec!r}: expected block ranges like 0-7, 8-14 or 0,2,5, or low / mid") from None
+        if not 0 <= first <= last < n_layers:
+            raise ValueError(f"--freeze={spec!r}: {part.strip()!r} is outside the model's blocks 0-{n_layers - 1}")
+        layers.update(range(first, last + 1))
+    return sorted(layers)
+
+
+def frozen_names(model, layers) -> set:
+    """Names of every parameter inside the given blocks (`model.layers.{i}.*`)."""
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    return {name for name, _ in model.named_parameters() if name.startswith(prefixes)}
+
+
+def zero_frozen_grads(model, names) -> None:
+    """Called after each backward pass (after the DDP all-reduce): frozen blocks get no gradient."""
+    for name, p in model.named_parameters():
+        if name in names and p.grad is not None:
+            p.grad.zero_()

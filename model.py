@@ -1,0 +1,528 @@
+"""ModernBERT from scratch, numerically identical to Hugging Face `ModernBertForMaskedLM`.
+
+Read top to bottom: attention backends, rotary embedding, the block (attention + GeGLU MLP), the
+config, then the model with its checkpoint I/O, optimizer groups and FLOP count. Parameter names are
+exactly Hugging Face's, so a checkpoint is a plain state dict (SPEC §1).
+
+The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
+changes only which keys each query may see. Global layers see every key (j <= i when causal); local
+layers see |i - j| <= 64 (i - 64 <= j <= i when causal).
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained with
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+try:  # PyTorch >= 2.5; block-sparse masks make the sliding window cheap on GPU
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:
+    create_block_mask = flex_attention = None
+
+IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and transformers
+
+# -----------------------------------------------------------------------------
+# Attention: one mechanism, three backends. `Masks` is built once per forward and shared by all
+# layers; each layer asks it for the global or the local (sliding-window) pattern.
+
+
+def pick_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and flash_attn_varlen_func is not None:
+        return "flash"
+    if device.type == "cuda" and flex_attention is not None:
+        return "flex"
+    return "sdpa"
+
+
+BACKEND_NAMES = {
+    "flash": "flash-attn varlen (unpadded: padding tokens are never computed)",
+    "flex": "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)",
+    "sdpa": "PyTorch scaled_dot_product_attention with dense boolean masks",
+}
+
+if flex_attention is not None:
+    # Compiled once: eager FlexAttention materialises the full score matrix. Only used on CUDA.
+    compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+class Masks:
+    """Which keys each query may see, for one batch.
+
+    token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents
+    apart when given (None: attention crosses document boundaries, as in the paper)."""
+
+    def __init__(self, backend, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        self.backend, self.causal, self.window = backend, causal, window
+        if backend == "flash":
+            # Unpadded layout: tokens of all sequences concatenated, sequences delimited by cu_seqlens.
+            seg = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+            if doc_ids is not None:  # each document becomes its own varlen sequence
+                new_doc = torch.ones_like(seg)
+                new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+                starts = (new_doc & seg).flatten()[seg.flatten()].nonzero().squeeze(1)
+                lengths = torch.diff(starts, append=torch.tensor([int(seg.sum())], device=device))
+            else:
+                lengths = seg.sum(1)
+            self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+            self.max_seqlen = T if token_mask is None and doc_ids is None else int(lengths.max())
+            return
+        keep = self._predicate(B, T, device, token_mask, doc_ids)
+        if backend == "sdpa":
+            i = torch.arange(T, device=device)
+            plain = token_mask is None and doc_ids is None  # global layers then need no mask at all
+            self.dense = {local: None if plain and not local else
+                          keep(None, None, i[:, None], i[None, :], local).view(-1, 1, T, T) for local in (False, True)}
+        elif backend == "flex":
+            b = None if token_mask is None and doc_ids is None else B
+            self.block = {local: create_block_mask(lambda bi, h, q, k, local=local: keep(bi, h, q, k, local),
+                                                   b, None, T, T, device=device) for local in (False, True)}
+        else:
+            raise ValueError(f"unknown attention backend {backend!r}; expected auto, flash, flex or sdpa")
+
+    def _predicate(self, B, T, device, token_mask, doc_ids):
+        """keep(b, h, q, k, local) -> bool, written once for dense masks (b=None: all rows) and FlexAttention."""
+        window, causal = self.window, self.causal
+
+        def keep(b, h, q, k, local):
+            ok = torch.ones_like(q == k)
+            if causal:
+                ok = ok & (k <= q)
+            if local:
+                ok = ok & ((q - k).abs() <= window)
+            if token_mask is not None:
+                ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
+            if doc_ids is not None:
+                ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
+            # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
+            # into later layers through 0 * NaN); real tokens always see themselves anyway.
+            return ok | (q == k)
+
+        return keep
+
+    def attend(self, q, k, v, local):
+        """q, k, v: (B, T, H, D), or (N, H, D) unpadded for flash. Returns the same layout."""
+        scale = q.shape[-1] ** -0.5
+        if self.backend == "flash":
+            w = self.window if local else -1
+            return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen,
+                                          self.max_seqlen, softmax_scale=scale,
+                                          causal=self.causal, window_size=(w, 0 if self.causal and local else w))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if self.backend == "sdpa":
+            mask = self.dense[local]  # None: unmasked global layer, causal or not
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and self.causal,
+                                               scale=scale)
+        else:
+            y = compiled_flex_attention(q, k, v, block_mask=self.block[local], scale=scale)
+        return y.transpose(1, 2)  # (B, T, H, D)
+
+
+# -----------------------------------------------------------------------------
+# Rotary embedding, GPT-NeoX "rotate half" style over the whole head, computed in fp32 as HF does.
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    """positions (P,) -> cos, sin of shape (P, 1, head_dim), broadcasting over heads."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq  # (P, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (P, 1, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# The transformer block. Pre-norm; layer 0 has no attn_norm because the embeddings are already normed.
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, local):
+        super().__init__()
+        self.local, self.n_head = local, cfg.num_attention_heads
+        self.Wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)  # rows Q | K | V, head-major
+        self.Wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.dropout = cfg.attention_dropout  # on the output projection only (SPEC §1)
+
+    def forward(self, x, rope, masks):
+        qkv = self.Wqkv(x).unflatten(-1, (3, self.n_head, -1))  # (..., 3, H, D)
+        q, k, v = qkv.unbind(-3)  # each (..., H, D)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = masks.attend(q, k, v, self.local).flatten(-2)  # (..., H*D)
+        return F.dropout(self.Wo(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        a, gate = self.Wi(x).chunk(2, dim=-1)  # GeGLU: the FIRST half goes through exact (erf) GELU
+        return self.Wo(F.gelu(a) * gate)
+
+
+def layer_norm(cfg):
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i):
+        super().__init__()
+        self.local = cfg.layer_types[i] == "sliding_attention"
+        self.attn_norm = layer_norm(cfg) if i > 0 else nn.Identity()
+        self.attn = Attention(cfg, self.local)
+        self.mlp_norm = layer_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ropes, masks):
+        x = x + self.attn(self.attn_norm(x), ropes[self.local], masks)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# -----------------------------------------------------------------------------
+# Configuration. Field names follow Hugging Face's config.json.
+
+PRESETS = {
+    "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
+    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
+    # For CPU tests and the demo: keeps the global/local alternation (layers 0 and 3 global) and a
+    # local window (+-64) shorter than the demo's 256-token sequences.
+    "tiny": dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4),
+}
+
+
+@dataclass
+class ModernBERTConfig:
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152  # GeGLU width; Wi outputs twice this
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    global_attn_every_n_layers: int = 3  # layer i is global iff i % 3 == 0
+    local_attention: int = 128  # total window: a local layer sees 64 tokens on each side
+    global_rope_theta: float = 160_000.0
+    local_rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    attention_dropout: float = 0.0  # 0.1 in the original pretraining; 0 here (our choice, SPEC §1)
+    initializer_range: float = 0.02
+    initializer_cutoff_factor: float = 2.0  # truncated normal at +-2 sigma
+    max_position_embeddings: int = 8192
+    pad_token_id: int = 50283
+    cls_token_id: int = 50281
+    sep_token_id: int = 50282
+    mask_token_id: int = 50284
+    layer_types: tuple = None  # derived from global_attn_every_n_layers unless a checkpoint lists them
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            n = self.global_attn_every_n_layers
+            self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
+                                for i in range(self.num_hidden_layers)]
+        self.layer_types = tuple(self.layer_types)
+        assert len(self.layer_types) == self.num_hidden_layers, "layer_types must list every layer"
+        assert set(self.layer_types) <= {"full_attention", "sliding_attention"}, self.layer_types
+        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size must split evenly into heads"
+
+    @property
+    def window(self):  # reach on each side of a local layer: 64 for ModernBERT
+        return self.local_attention // 2
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    # --- Hugging Face config.json, in both key spellings (transformers 4.x and 5.x) ---
+    def to_hf(self):
+        d = {k: v for k, v in asdict(self).items()}
+        d["layer_types"] = list(self.layer_types)
+        d.update(
+            model_type="modernbert", architectures=["ModernBertForMaskedLM"], hidden_activation="gelu",
+            classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False,
+            decoder_bias=True, tie_word_embeddings=True, bos_token_id=self.cls_token_id,
+            eos_token_id=self.sep_token_id, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}})
+        return d
+
+    @classmethod
+    def from_hf(cls, d, source="config.json"):
+        if d.get("model_type") != "modernbert":
+            raise ValueError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
+        fixed = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False,
+                     attention_bias=False, mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
+        for key, want in fixed.items():
+            if key in d and d[key] != want:
+                raise ValueError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        rope = d.get("rope_parameters") or {}
+        for kind, key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
+            if rope.get(kind):
+                if rope[kind].get("rope_type", "default") != "default":
+                    raise ValueError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
+                kw[key] = rope[kind]["rope_theta"]
+        return cls(**kw)
+
+
+# -----------------------------------------------------------------------------
+# Loss: cross-entropy fused with the decoder, in row chunks, so that the (rows, vocab) logits never
+# exist at once in fp32. The loss is a scalar, so d loss / d logits is known in the forward: gradients
+# are formed chunk by chunk there and only scaled by the incoming gradient in backward.
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk, with_grad):
+        n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
+        loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
+        if with_grad:
+            grad_h = torch.empty_like(h)
+            acc = torch.promote_types(weight.dtype, torch.float32)  # accumulate bf16 chunks in fp32
+            grad_w = torch.zeros_like(weight, dtype=acc)
+            grad_b = torch.zeros_like(bias, dtype=acc)
+        for i in range(0, h.shape[0], chunk):
+            hc, yc = h[i:i + chunk], labels[i:i + chunk]
+            logits = F.linear(hc, weight, bias)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (c, V): only a chunk in fp32
+            valid = yc != IGNORE_INDEX
+            target = yc.clamp(min=0)
+            lse = logits.logsumexp(-1)
+            loss += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+            if with_grad:
+                g = (logits - lse[:, None]).exp_()  # softmax
+                g[torch.arange(len(yc), device=g.device), target] -= 1
+                g = (g * valid[:, None]).to(hc.dtype if not torch.is_autocast_enabled(hc.device.type)
+                                             else torch.get_autocast_dtype(hc.device.type))
+                grad_h[i:i + chunk] = g @ weight.to(g.dtype)
+                grad_w += g.t() @ hc.to(g.dtype)
+                grad_b += g.sum(0)
+        if with_grad:
+            ctx.w_dtype = weight.dtype
+            ctx.save_for_backward(grad_h / n, grad_w / n, grad_b / n)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return grad_h * grad, (grad_w * grad).to(ctx.w_dtype), (grad_b * grad).to(ctx.w_dtype), None, None, None
+
+
+def linear_cross_entropy(h, weight, bias, labels, chunk=4096):
+    """Mean cross-entropy of `h @ weight.T + bias` against `labels` (rows labelled -100 ignored)."""
+    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, with_grad)
+
+
+# -----------------------------------------------------------------------------
+# The model.
+
+
+class ModernBERT(nn.Module):
+    def __init__(self, config: ModernBERTConfig, backend: str = "auto"):
+        super().__init__()
+        self.config, self.backend = config, backend
+        c = config
+        self.model = nn.ModuleDict(dict(
+            embeddings=nn.ModuleDict(dict(
+                tok_embeddings=nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id),
+                norm=layer_norm(c))),
+            layers=nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers)),
+            final_norm=layer_norm(c)))
+        self.head = nn.ModuleDict(dict(dense=nn.Linear(c.hidden_size, c.hidden_size, bias=False), norm=layer_norm(c)))
+        self.decoder = nn.Linear(c.hidden_size, c.vocab_size, bias=True)
+        self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied (SPEC §1)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        """Megatron init (SPEC §1): truncated normal at +-2 sigma, sigma = 0.02, and 0.02 / sqrt(2L)
+        on the two projections that write into the residual stream; norms 1, the decoder bias 0."""
+        c = self.config
+        for name, p in self.named_parameters():  # the tied decoder weight is the embedding, seen once
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name == "decoder.bias":
+                nn.init.zeros_(p)
+            else:
+                std = c.initializer_range
+                if name.endswith(("attn.Wo.weight", "mlp.Wo.weight")):
+                    std /= math.sqrt(2 * c.num_hidden_layers)
+                a = c.initializer_cutoff_factor * std
+                nn.init.trunc_normal_(p, mean=0.0, std=std, a=-a, b=a)
+
+    # --- forward ---
+    def attention_backend(self, device=None):
+        device = device or self.decoder.weight.device
+        return pick_backend(torch.device(device), self.backend)
+
+    def encode(self, input_ids, attention_mask=None, causal=False, doc_ids=None, all_layers=False):
+        """Final hidden states (B, T, d) after final_norm; with all_layers, the L block outputs instead."""
+        B, T = input_ids.shape
+        backend = self.attention_backend(input_ids.device)
+        token_mask = None if attention_mask is None else attention_mask.bool()
+        x = self.model.embeddings.norm(self.model.embeddings.tok_embeddings(input_ids))  # (B, T, d)
+        positions = torch.arange(T, device=input_ids.device)
+        if backend == "flash":  # unpad once: every later op works on real tokens only, (N, d)
+            keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)
+            x, positions = x.flatten(0, 1), positions.repeat(B)  # (B*T, d), (B*T,)
+            if keep is not None:
+                x, positions = x[keep], positions[keep]
+        masks = Masks(backend, B, T, input_ids.device, causal, self.config.window, token_mask, doc_ids)
+        D = self.config.hidden_size // self.config.num_attention_heads
+        ropes = {False: rope_cos_sin(positions, D, self.config.global_rope_theta),
+                 True: rope_cos_sin(positions, D, self.config.local_rope_theta)}
+        outputs = []
+        for block in self.model.layers:
+            x = block(x, ropes, masks)
+            if all_layers:
+                outputs.append(x)
+        if not all_layers:
+            outputs = [self.model.final_norm(x)]
+        if backend == "flash":  # back to (B, T, d); padding rows are zeros
+            outputs = [self._repad(o, B, T, keep) for o in outputs]
+        return outputs if all_layers else outputs[0]
+
+    @staticmethod
+    def _repad(x, B, T, keep):
+        if keep is None:
+            return x.view(B, T, -1)
+        out = x.new_zeros(B * T, x.shape[-1])
+        out[keep] = x
+        return out.view(B, T, -1)
+
+    def hidden_states(self, input_ids, attention_mask=None, causal=False):
+        """The L block outputs, each (B, T, d), before final_norm: one per layer, for the CKA analysis."""
+        return self.encode(input_ids, attention_mask, causal, all_layers=True)
+
+    def head_hidden(self, h):
+        """The MLM head before the tied decoder: dense, GELU, norm."""
+        return self.head.norm(F.gelu(self.head.dense(h)))
+
+    def predict(self, h):
+        """(..., d) final hidden states -> (..., vocab) logits."""
+        return self.decoder(self.head_hidden(h))
+
+    def forward(self, input_ids, attention_mask=None, labels=None, causal=False, doc_ids=None):
+        """Returns (logits, loss).
+
+        Without labels: logits (B, T, vocab) and loss None. With labels: sparse prediction, as
+        ModernBERT trains: the head runs only on positions whose label is not -100, the decoder and
+        cross-entropy are fused in chunks, and logits is None (they are never materialised).
+        loss is the mean cross-entropy over the labelled positions."""
+        h = self.encode(input_ids, attention_mask, causal, doc_ids)  # (B, T, d)
+        if labels is None:
+            return self.predict(h), None
+        keep = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)  # (M,)
+        h = self.head_hidden(h.flatten(0, 1)[keep])  # (M, d)
+        loss = linear_cross_entropy(h, self.decoder.weight, self.decoder.bias, labels.flatten()[keep])
+        return None, loss
+
+    # --- optimizer groups and FLOPs ---
+    def param_groups(self):
+        """(name, param) lists: 'decay' for matrices, 'no_decay' for ndim <= 1 (biases, norms). Tied once."""
+        named = dict(self.named_parameters())  # named_parameters() yields a tied tensor once
+        groups = {"decay": [(n, p) for n, p in named.items() if p.ndim >= 2],
+                  "no_decay": [(n, p) for n, p in named.items() if p.ndim <= 1]}
+        assert sum(len(g) for g in groups.values()) == len(named), "every parameter in exactly one group"
+        return groups
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len, causal=False, mask_rate=1.0):
+        """Training FLOPs (forward + backward = 3x forward) per token, matmuls and attention.
+
+        mask_rate: fraction of positions that go through the head and decoder (sparse prediction):
+        the MLM masking rate, or 1.0 for CLM. Attention keys per query: global layers see seq_len
+        (half on average when causal); local layers 2w+1 = 129 (w+1 = 65 when causal), ignoring the
+        shorter windows at the sequence edges."""
+        c = self.config
+        d, w = c.hidden_size, c.window
+        body = c.num_hidden_layers * (4 * d * d + 3 * d * c.intermediate_size)  # Wqkv, Wo, Wi, mlp.Wo
+        head = d * d + d * c.vocab_size  # head.dense and the decoder, per predicted token
+        keys = 0
+        for kind in c.layer_types:
+            if kind == "full_attention":
+                keys += (seq_len + 1) / 2 if causal else seq_len
+            else:
+                keys += min(w + 1 if causal else 2 * w + 1, seq_len)
+        return 6 * (body + mask_rate * head) + 12 * d * keys  # QK^T and PV: 2 * 2d FLOPs per key, x3
+
+    # --- checkpoints: a Hugging Face directory (config.json + model.safetensors) ---
+    @classmethod
+    def from_pretrained(cls, path_or_id, backend="auto"):
+        path = resolve_checkpoint(path_or_id)
+        config_file = os.path.join(path, "config.json")
+        with open(config_file) as f:
+            config = ModernBERTConfig.from_hf(json.load(f), config_file)
+        model = cls(config, backend)
+        model.load_weights(os.path.join(path, "model.safetensors"))
+        return model
+
+    def load_weights(self, weights_file):
+        from safetensors.torch import load_file
+        if not os.path.exists(weights_file):
+            raise FileNotFoundError(f"{weights_file}: no such file (a checkpoint needs model.safetensors)")
+        state = load_file(weights_file)
+        emb = state.get("model.embeddings.tok_embeddings.weight")
+        if "decoder.weight" in state and emb is not None and not torch.equal(state["decoder.weight"], emb):
+            raise ValueError(f"{weights_file}: decoder.weight differs from the embeddings; only tied decoders are supported")
+        if emb is not None:
+            state["decoder.weight"] = emb  # published files usually omit the tied copy
+        ours = self.state_dict()
+        missing = sorted(set(ours) - set(state))
+        unexpected = sorted(set(state) - set(ours))
+        wrong = sorted(k for k in set(ours) & set(state) if state[k].shape != ours[k].shape)
+        if missing or unexpected or wrong:
+            detail = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else "",
+                      "shape mismatches " + ", ".join(f"{k}: file {tuple(state[k].shape)} vs model {tuple(ours[k].shape)}"
+                                                      for k in wrong) if wrong else ""]
+            raise ValueError(f"{weights_file} does not match the config: " + "; ".join(s for s in detail if s))
+        self.load_state_dict({k: v.float() for k, v in state.items()})
+
+    def save_pretrained(self, path):
+        """Writes config.json and model.safetensors that transformers.AutoModelForMaskedLM loads as is."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "decoder.weight"}
+        save_file(state, os.path.join(path, "model.safetensors.tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
+        write_json(os.path.join(path, "config.json"), self.config.to_hf())
+
+
+def write_json(path, obj):
+    """Write JSON atomically: a kill mid-write leaves the previous file intact."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def resolve_checkpoint(path_or_id):
+    """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    if os.path.exists(path_or_id) or path_or_id.count("/") != 1:
+        raise FileNotFoundError(f"{path_or_id}: not a checkpoint directory, and not a hub id like "
+                                f"'answerdotai/ModernBERT-base'")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+    except Exception as e:
+        raise RuntimeError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                           f"download it where the network allows and pass the local directory") from e

@@ -1,0 +1,389 @@
+"""data.py: tokenizer parity with Hugging Face `tokenizers`, prepare, the loader's order, masks, resume, bad inputs."""
+import json
+import random
+import unicodedata
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
+
+CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]
+TRICKY = ([" " * n + "x" for n in range(1, 31)] + ["a" + " " * n + "b" for n in range(1, 31)] + [
+    "", " ", "\t", "\t\tx\ty", "a\n\nb", "a\n\n  b\r\n", "x [MASK] y", "x   [MASK]", "x\t [MASK]", "a\n[MASK]",
+    "\n\n[MASK]", "[MASK]", "[MASK][MASK]  [MASK]", "[CLS]hi[SEP]", "foo<|endoftext|>bar",
+    "mail |||EMAIL_ADDRESS||| me", "call|||PHONE_NUMBER|||now", "[unused0][unused12]", "<|padding|>", "e\u0301",
+    "cafe\u0301 [MASK]", "😀 emoji 👍🏽", "中文字符 测试。", "\x1c\x1d x \x1f[MASK]", "a\x1c [MASK]", "\u3000[MASK]",
+    "\u00a0\u00a0x", "x\u2028y", "Привет мир 123 ελληνικά", "don't I'll we've 'S", "ﬁ ligature Ⅻ ①", "   \n   ",
+    "[mask] [MAS K] [MASK", "x\x85y [MASK]", "\x0b\x0c[MASK]\u2003", "１２３ｱｲｳ", "a\u200bb", "\ufeffBOM"])
+
+
+def words(rng, n):
+    """Generated text with the features that stress a BPE port: accents in NFD, CJK, digits, odd whitespace."""
+    parts = ["ka", "lo", "mi", "ré", "e\u0301t", "zu", "ph", "str", "ön", "ß", "中", "1", "42", "'s", "!", "..."]
+    seps = [" ", " ", " ", "  ", "\n", ", ", "\t", "   ", "\n\n"]
+    return "".join("".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) + rng.choice(seps) for _ in range(n))
+
+
+def hf_ids(hf, texts):
+    return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small byte-level BPE trained here with `tokenizers`: (path, HF tokenizer)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    rng = random.Random(0)
+    hf = Tokenizer(models.BPE())
+    hf.normalizer, hf.decoder = normalizers.NFC(), decoders.ByteLevel()
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    hf.train_from_iterator([words(rng, 200) for _ in range(200)], trainer)
+    hf.add_special_tokens([AddedToken(t, normalized=False) for t in ("[CLS]", "[SEP]", "[PAD]")] +
+                          [AddedToken("[MASK]", lstrip=True, normalized=False), AddedToken("<r>", rstrip=True)])
+    hf.add_tokens([AddedToken("  ", normalized=True), AddedToken("<e\u0301nt>", normalized=True)])
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    hf.save(str(path))
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def modernbert():
+    from tokenizers import Tokenizer
+    path = need(MODERNBERT_TOKENIZER)
+    return data.load_tokenizer(path), Tokenizer.from_file(str(path))
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer
+
+def test_modernbert_tricky_strings(modernbert):
+    ours, hf = modernbert
+    assert [ours.encode(t) for t in TRICKY] == hf_ids(hf, TRICKY)
+    assert (ours.vocab_size, ours.cls_id, ours.sep_id, ours.pad_id, ours.mask_id) == (50368, 50281, 50282, 50283, 50284)
+    assert ours.special_ids == [1, 50279, 50280, 50281, 50282, 50283, 50284]
+    assert ours.encode("a  [MASK]") == ours.encode("a") + [50284]  # [MASK] swallows the spaces on its left
+    for text in TRICKY:
+        if "[MASK]" not in text:
+            assert ours.decode(ours.encode(text)) == unicodedata.normalize("NFC", text)
+
+
+def test_modernbert_every_corpus_document(modernbert):  # ~7 s on 2 cores, mostly the HF side
+    ours, hf = modernbert
+    texts = [json.loads(line)["text"] for path in CORPORA for line in open(need(path), encoding="utf-8")]
+    mismatched = [i for i, (a, b) in enumerate(zip(ours.encode_batch(texts), hf_ids(hf, texts))) if a != b]
+    assert len(texts) == 7943 + 1520 and not mismatched, f"{len(mismatched)} documents differ, first {mismatched[:5]}"
+
+
+def test_trained_tokenizer_parity(trained):
+    path, hf = trained
+    ours = data.load_tokenizer(path)
+    texts = TRICKY + [words(random.Random(1), 300)] + ["x <r>  y", "<r>\n<r>", "<e\u0301nt> <ént>", "e\u0301[CLS]",
+                                                      "zu [MASK]  ka [SEP]", "\u3000[MASK] <r>\t"]
+    assert [ours.encode(t) for t in texts] == hf_ids(hf, texts)
+    assert (ours.vocab_size, ours.special_ids, ours.mask_id) == (507, [500, 501, 502, 503, 504], 503)
+
+
+def test_decode_round_trip(trained):
+    ours = data.load_tokenizer(trained[0])
+    for text in ["plain text", "e\u0301t -> ét", "中文 😀 ", "  two  spaces\t\ttabs\n\nlines", "[CLS]x[SEP]",
+                 words(random.Random(2), 50)]:
+        assert ours.decode(ours.encode(text)) == unicodedata.normalize("NFC", text)
+
+
+def test_bytes_tokenizer():
+    tok = data.load_tokenizer("bytes")
+    assert (tok.vocab_size, tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id) == (260, 256, 257, 258, 259)
+    assert tok.special_ids == [256, 257, 258, 259]
+    assert tok.encode("é[MASK]a") == [0xC3, 0xA9, 259, 97]
+    assert tok.decode(tok.encode("héllo [PAD] 中")) == "héllo [PAD] 中"
+    assert tok.fingerprint == data.load_tokenizer("bytes").fingerprint
+
+
+def test_fingerprint(trained, tmp_path):
+    path, hf = trained
+    assert data.load_tokenizer(path).fingerprint == data.load_tokenizer(path).fingerprint
+    config = json.loads(path.read_text())
+    config["added_tokens"][-1]["content"] = "<other>"
+    (tmp_path / "other.json").write_text(json.dumps(config))
+    assert data.load_tokenizer(tmp_path / "other.json").fingerprint != data.load_tokenizer(path).fingerprint
+
+
+@pytest.mark.parametrize("edit, words_", [
+    (lambda c: c.update(pre_tokenizer={"type": "Metaspace"}), ["pre_tokenizer.type", "ByteLevel"]),
+    (lambda c: c["pre_tokenizer"].update(add_prefix_space=True), ["add_prefix_space"]),
+    (lambda c: c.update(normalizer={"type": "Lowercase"}), ["normalizer", "NFC"]),
+    (lambda c: c["model"].update(dropout=0.1), ["model.dropout"]),
+    (lambda c: c["model"].update(continuing_subword_prefix="##"), ["continuing_subword_prefix"]),
+    (lambda c: c["added_tokens"][0].update(single_word=True), ["single_word"]),
+    (lambda c: c["model"]["merges"].reverse(), ["merge", "order"]),
+    (lambda c: c["model"]["merges"].pop(), ["not the result of any merge"]),
+])
+def test_unsupported_tokenizer_is_refused(trained, tmp_path, edit, words_):
+    config = json.loads(trained[0].read_text())
+    edit(config)
+    path = tmp_path / "odd_tokenizer.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(data.DataError) as e:
+        data.load_tokenizer(path)
+    assert all(w in str(e.value) for w in ["odd_tokenizer.json", *words_]), str(e.value)
+
+
+# ----------------------------------------------------------------------------
+# Prepare
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    """A byte-tokenized data dir with [PAD] inside the text (so masking must skip it): ~330k train tokens."""
+    tmp = tmp_path_factory.mktemp("bytes")
+    rng = random.Random(3)
+    texts = [words(rng, rng.randint(20, 200)) + rng.choice(["", " [PAD][PAD]"]) for _ in range(600)]
+    data.prepare([write_jsonl(tmp / "gen.jsonl", texts)], "bytes", tmp / "d", val_fraction=0.1)
+    return tmp / "d"
+
+
+def test_prepare_is_deterministic_and_counts(tmp_path):
+    rng = random.Random(4)
+    a = write_jsonl(tmp_path / "a.jsonl", [words(rng, 30) for _ in range(50)])
+    b = tmp_path / "b.txt"
+    b.write_text("first doc\nstill first\n\n\nsecond doc\n  \nthird\n", encoding="utf-8")
+    metas = [data.prepare([a, b], "bytes", tmp_path / out, val_fraction=0.1, seed=7) for out in ("o1", "o2")]
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "o1" / name).read_bytes() == (tmp_path / "o2" / name).read_bytes()
+    meta = metas[0]
+    assert sorted(p.name for p in (tmp_path / "o1").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert [s["documents"] for s in meta["sources"]] == [50, 3]
+    assert meta["splits"]["val"]["per_source"] == {"a": {"tokens": meta["splits"]["val"]["per_source"]["a"]["tokens"],
+                                                         "documents": 5}, "b": {"tokens": meta["splits"]["val"]
+                                                         ["per_source"]["b"]["tokens"], "documents": 1}}
+    docs = {"train": [], "val": []}
+    for split in docs:
+        tokens = np.fromfile(tmp_path / "o1" / f"{split}.bin", dtype=np.uint16)
+        assert len(tokens) == meta["splits"][split]["tokens"]
+        assert tokens[0] == 256 and tokens[-1] == 257  # [CLS] text [SEP], concatenated
+        ends = np.flatnonzero(tokens == 257)
+        assert np.all(tokens[ends[:-1] + 1] == 256) and len(ends) == meta["splits"][split]["documents"]
+        docs[split] = [bytes(d[1:-1].astype(np.uint8)).decode() for d in np.split(tokens, ends + 1)[:-1]]
+    b_docs = {"first doc\nstill first", "second doc", "third"}
+    assert b_docs <= set(docs["train"]) | set(docs["val"]) and not set(docs["train"]) & set(docs["val"])
+    assert len(docs["train"]) + len(docs["val"]) == 53  # no repeats without --mix
+
+
+def test_prepare_mix(tmp_path):
+    rng = random.Random(5)
+    big = write_jsonl(tmp_path / "big.jsonl", [words(rng, 40) for _ in range(400)])
+    small = write_jsonl(tmp_path / "small.jsonl", [words(rng, 40) for _ in range(40)])
+    plain = data.prepare([big, small], "bytes", tmp_path / "plain", seed=1)
+    meta = data.prepare([big, small], "bytes", tmp_path / "mixed", mix={"big": 0.6, "small": 0.4}, seed=1)
+    train = meta["splits"]["train"]
+    assert abs(train["tokens"] - plain["splits"]["train"]["tokens"]) / train["tokens"] < 0.02  # natural total kept
+    assert abs(train["per_source"]["small"]["tokens"] / train["tokens"] - 0.4) < 0.02
+    assert train["per_source"]["small"]["documents"] > 2 * 39  # repeated more than twice
+    assert meta["splits"]["val"] == plain["splits"]["val"]  # validation chosen before mixing, never repeated
+    with pytest.raises(data.DataError, match="big.*small"):
+        data.prepare([big, small], "bytes", tmp_path / "bad", mix={"big": 1.0, "other": 1.0})
+
+
+def test_parquet_input(tmp_path):
+    path = tmp_path / "rows.parquet"
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:  # optional dependency: without it the message says what to install
+        path.write_bytes(b"PAR1")
+        with pytest.raises(data.DataError, match="rows.parquet: reading .parquet needs pyarrow"):
+            data.prepare([path], "bytes", tmp_path / "out")
+        return
+    pq.write_table(pyarrow.table({"text": ["one", "", "two"], "n": [1, 2, 3]}), path)
+    meta = data.prepare([path], "bytes", tmp_path / "out")
+    assert meta["sources"][0]["documents"] == 2  # the empty row is skipped
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == 10
+    with pytest.raises(data.DataError, match="rows.parquet: column 'n' holds int"):
+        data.prepare([path], "bytes", tmp_path / "out", field="n")
+    with pytest.raises(data.DataError, match="rows.parquet: no column 'body'"):
+        data.prepare([path], "bytes", tmp_path / "out", field="body")
+
+
+def test_demo_subprocess(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "data.py")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    meta = data.load_meta(tmp_path / "data" / "demo")
+    assert meta["tokenizer"] == "bytes" and meta["splits"]["train"]["tokens"] > 500_000
+    x, y = data.Loader(tmp_path / "data" / "demo", seq_len=512, batch_size=8, micro_batch_size=8).next()
+    assert x.shape == y.shape == (8, 512)
+
+
+# ----------------------------------------------------------------------------
+# Batches
+
+def loader(path, **kw):
+    args = dict(seq_len=1024, batch_size=8, micro_batch_size=4, objective="mlm", mask_rate=0.3)
+    return data.Loader(path, **(args | kw))
+
+
+def test_mlm_mask_statistics(byte_data):
+    x, y = loader(byte_data, batch_size=64, micro_batch_size=64).next()
+    orig, _ = loader(byte_data, batch_size=64, micro_batch_size=64, objective="clm").next()
+    special = orig >= 256
+    assert x.dtype == y.dtype == torch.int64 and x.shape == (64, 1024)
+    assert (orig == 258).any() and (orig == 256).any()  # [PAD] and [CLS] are in the data, so the test can fail
+    chosen = y != -100
+    assert not (chosen & special).any()
+    assert torch.equal(y[chosen], orig[chosen]) and torch.equal(x[~chosen], orig[~chosen])
+    rate = chosen.sum() / (~special).sum()
+    assert abs(rate - 0.3) < 0.01  # ~60k candidates: standard error 0.002
+    masked = (x == 259) & chosen
+    changed = chosen & (x != orig) & ~masked
+    n = chosen.sum()
+    assert abs(masked.sum() / n - 0.8) < 0.015 and abs(changed.sum() / n - 0.1) < 0.015  # standard error 0.003
+    assert abs((chosen & (x == orig)).sum() / n - 0.1) < 0.015
+    assert (x[changed] < 256).all()  # random replacements are never special tokens
+
+
+def test_clm_labels(byte_data):
+    x, y = loader(byte_data, objective="clm").next()
+    assert (y[:, -1] == -100).all() and (x == 257).any()
+    expected = torch.where(x[:, :-1] == 257, -100, x[:, 1:])
+    assert torch.equal(y[:, :-1], expected)
+
+
+def test_same_seeds_same_batches_and_resume(byte_data):
+    a, b = loader(byte_data), loader(byte_data)
+    for _ in range(3):  # accum is 2: this leaves the loaders in the middle of step 1
+        assert all(torch.equal(u, v) for u, v in zip(a.next(), b.next()))
+    with pytest.raises(AssertionError):
+        a.state_dict()
+    a.next()
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["sequence"] == 2 * 8
+    expected = [a.next() for _ in range(6)]
+    resumed = loader(byte_data)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(u, v) for e in expected for u, v in zip(e, resumed.next()))
+    with pytest.raises(data.DataError, match="data_seed"):
+        loader(byte_data, data_seed=0).load_state_dict(state)
+
+
+def test_step_is_the_same_set_for_any_world_size(byte_data):
+    one_by_one = loader(byte_data, batch_size=1, micro_batch_size=1)
+    reference = [one_by_one.next() for _ in range(24)]  # global sequences 0..23, masks included
+    single = loader(byte_data, batch_size=8, micro_batch_size=4)  # accum 2
+    ranks = [loader(byte_data, batch_size=8, micro_batch_size=2, rank=r, world_size=2) for r in range(2)]  # accum 2
+    assert (single.accum, ranks[0].accum) == (2, 2)
+    runs = [(ranks[0], 0, 2), (ranks[1], 1, 2), (single, 0, 1)]  # (loader, rank, world size)
+    for step in range(3):
+        for k in range(2):  # micro-step k on rank r takes g0 + (k * world_size + r) * micro_batch_size + [0, mbs)
+            for ld, rank, world_size in runs:
+                for j, (x, y) in enumerate(zip(*ld.next())):
+                    g = 8 * step + (k * world_size + rank) * ld.micro_batch_size + j
+                    assert torch.equal(x, reference[g][0][0]) and torch.equal(y, reference[g][1][0])
+
+
+def test_mlm_twin_sees_the_same_windows(byte_data):
+    clm, mlm_a, mlm_b = (loader(byte_data, **kw) for kw in ({"objective": "clm"}, {"mask_seed": 17}, {"mask_seed": 18}))
+    for _ in range(4):
+        orig, (xa, ya), (xb, yb) = clm.next()[0], mlm_a.next(), mlm_b.next()
+        assert torch.equal(torch.where(ya == -100, xa, ya), orig) and torch.equal(torch.where(yb == -100, xb, yb), orig)
+        assert not torch.equal(ya, yb)
+
+
+def test_epoch_wrap_follows_the_permutation_formula(byte_data):
+    meta = data.load_meta(byte_data)
+    seq_len = meta["splits"]["val"]["tokens"] // 5  # 5 windows in val.bin
+    tokens = np.fromfile(byte_data / "val.bin", dtype=np.uint16)
+    wrap = loader(byte_data, split="val", seq_len=seq_len, batch_size=2, micro_batch_size=2, objective="clm")
+    assert wrap.n_windows == 5
+    seen = torch.cat([wrap.next()[0] for _ in range(6)])  # sequences 0..11: two full epochs and a bit
+    for g in range(12):
+        w = np.random.default_rng([42, g // 5]).permutation(5)[g % 5]
+        assert torch.equal(seen[g], torch.from_numpy(tokens[w * seq_len:(w + 1) * seq_len].astype(np.int64)))
+
+
+def test_val_batches_are_fixed_and_in_file_order(byte_data):
+    first = list(data.val_batches(byte_data, 256, 10, 4, "mlm", mask_rate=0.15))
+    again = list(data.val_batches(byte_data, 256, 10, 4, "mlm", mask_rate=0.15))
+    assert [b[0].shape[0] for b in first] == [4, 4, 2]
+    assert all(torch.equal(u, v) for a, b in zip(first, again) for u, v in zip(a, b))
+    x = torch.cat([b[0] for b in data.val_batches(byte_data, 256, 10, 4, "clm")])
+    tokens = torch.from_numpy(np.fromfile(byte_data / "val.bin", dtype=np.uint16)[:2560].astype(np.int64))
+    assert torch.equal(x, tokens.view(10, 256))
+
+
+def test_document_ids():
+    x = torch.tensor([[256, 1, 257, 256, 2, 3, 257, 256], [5, 257, 257, 256, 7, 7, 7, 7]])
+    ids = data.document_ids(x, 257)
+    assert ids.dtype == torch.int32
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 1, 2, 2, 2, 2, 2]]
+
+
+# ----------------------------------------------------------------------------
+# Bad inputs stop with a message naming the file and what was expected
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("empty.jsonl", b"", ["empty.jsonl", "no documents"]),
+    ("blank.jsonl", b'{"text": ""}\n{"text": "  "}\n', ["blank.jsonl", "no documents"]),
+    ("broken.jsonl", b'{"text": "a"}\n\n{"text": "b"\n', ["broken.jsonl:3", "JSON object"]),
+    ("nofield.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["nofield.jsonl:2", "'text'"]),
+    ("number.jsonl", b'{"text": "a"}\n{"text": 5}\n', ["number.jsonl:2", "int", "string"]),
+    ("latin1.jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n', ["latin1.jsonl:2", "invalid UTF-8"]),
+    ("latin1.txt", b"fine\n\ncaf\xe9\n", ["latin1.txt:3", "invalid UTF-8"]),
+    ("table.csv", b"text\na\n", ["table.csv", ".jsonl, .txt or .parquet"]),
+])
+def test_bad_corpus(tmp_path, name, content, expected):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(data.DataError) as e:
+        data.prepare([tmp_path / name], "bytes", tmp_path / "out")
+    assert all(w in str(e.value) for w in expected), str(e.value)
+    assert not any((tmp_path / "out").iterdir())  # nothing half-written
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(data.DataError, match="nope.jsonl: input file not found"):
+        data.prepare([tmp_path / "nope.jsonl"], "bytes", tmp_path / "out")
+    with pytest.raises(data.DataError, match="meta.json: not found"):
+        data.load_meta(tmp_path)
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(data.DataError, match="meta.json: not readable JSON"):
+        data.load_meta(tmp_path)
+    with pytest.raises(data.DataError, match="nope.json: tokenizer file not found"):
+        data.load_tokenizer(tmp_path / "nope.json")
+
+
+def test_bad_bin_files(byte_data, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "meta.json").write_bytes((byte_data / "meta.json").read_bytes())
+    (bad / "train.bin").write_bytes(b"\x00" * 4097)
+    with pytest.raises(data.DataError, match=r"train.bin: size 4097 bytes is not a multiple of uint16"):
+        loader(bad)
+    np.array([1, 2, 300, 4] * 1024, dtype=np.uint16).tofile(bad / "train.bin")
+    with pytest.raises(data.DataError, match=r"train.bin: max token id 300 but vocab_size is 260"):
+        loader(bad)
+    with pytest.raises(data.DataError, match=r"val.bin: seq_len 1000000 is longer than the data \(\d+ tokens\)"):
+        loader(byte_data, split="val", seq_len=1_000_000)
+
+
+def test_tokenizer_mismatch(byte_data, trained):
+    meta = data.load_meta(byte_data)
+    data.check_tokenizer(meta, data.load_tokenizer("bytes"))
+    with pytest.raises(data.DataError) as e:
+        data.check_tokenizer(meta, data.load_tokenizer(trained[0]))
+    assert all(w in str(e.value) for w in ["bytes", "tokenizer.json", "fingerprint"]), str(e.value)
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "data.py"), "prepare", "--input", str(tmp_path / "gone.txt"),
+                          "--tokenizer", "bytes", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and "gone.txt" in run.stderr
+    assert "Traceback" not in run.stderr

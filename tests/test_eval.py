@@ -1,0 +1,352 @@
+"""eval.py: CKA known answers and properties, metrics against scikit-learn and seqeval, fine-tuning end to end
+on the real tasks (skipped visibly without them), the CKA and MLM commands, and bad task input."""
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
+
+import eval as ev
+from data import DataError, load_tokenizer, prepare, val_batches
+from model import ModernBERT, ModernBERTConfig
+
+TASKS = SHARED_DATA / "tasks"
+BYTE_IDS = dict(vocab_size=320, cls_token_id=256, sep_token_id=257, pad_token_id=258, mask_token_id=259)
+
+
+def make_model(path, seed, tokenizer="bytes", **config):
+    """A random tiny ModernBERT run directory whose state.json names its tokenizer, as our trainer writes it."""
+    torch.manual_seed(seed)
+    ModernBERT(ModernBERTConfig.from_preset("tiny", **config)).save_pretrained(path)
+    (path / "state.json").write_text(json.dumps({"tokenizer": str(tokenizer)}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_models(tmp_path_factory):
+    """Three tiny models with the byte tokenizer's ids: A, B, and a seed control C."""
+    root = tmp_path_factory.mktemp("models")
+    return [make_model(root / name, seed, **BYTE_IDS) for name, seed in (("a", 1), ("b", 2), ("c", 3))]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """Made-up texts of different lengths (padding matters for the masked mean)."""
+    rng = np.random.default_rng(0)
+    words = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
+    path = tmp_path_factory.mktemp("texts") / "texts.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 25)))}) + "\n"
+                            for _ in range(24)))
+    return path
+
+
+# ----------------------------------------------------------------------------
+# CKA
+
+
+def gram_cka(X, Y, dtype):
+    """CKA by another route: centring the n x n Gram matrices (HKH) after forming them."""
+    X, Y = np.asarray(X, dtype), np.asarray(Y, dtype)
+    H = np.eye(len(X), dtype=dtype) - dtype(1 / len(X))
+    K, L = H @ (X @ X.T) @ H, H @ (Y @ Y.T) @ H
+    return float((K * L).sum() / np.sqrt((K * K).sum() * (L * L).sum()))
+
+
+def test_linear_cka_known_answers():
+    x, y = np.array([[1.0], [2], [3], [4]]), np.array([[1.0], [2], [3], [5]])
+    assert ev.linear_cka(x, y) == pytest.approx(169 / 175, abs=1e-14)
+    X = np.array([[1.0, 0], [0, 1], [-1, 0], [0, -1]])
+    assert ev.linear_cka(X, X @ np.diag([1.0, 2.0])) == pytest.approx(5 / math.sqrt(34), abs=1e-14)
+
+
+def test_linear_cka_invariances():
+    rng = np.random.default_rng(0)
+    X, Y = rng.normal(size=(40, 12)), rng.normal(size=(40, 7))
+    Y[:, :3] += X[:, :3]  # related, so that CKA is far from both 0 and 1
+    base = ev.linear_cka(X, Y)
+    assert 0.1 < base < 0.9
+    assert ev.linear_cka(X, X) == pytest.approx(1.0, abs=1e-12)
+    Q, _ = np.linalg.qr(rng.normal(size=(12, 12)))
+    assert ev.linear_cka(X @ Q, Y) == pytest.approx(base, abs=1e-12)  # orthogonal map
+    assert ev.linear_cka(3.7 * X, Y) == pytest.approx(base, abs=1e-12)  # isotropic scaling
+    assert ev.linear_cka(X + rng.normal(size=12), Y - 5.0) == pytest.approx(base, abs=1e-12)  # translation
+    assert ev.linear_cka(torch.tensor(X, dtype=torch.float32), Y) == pytest.approx(base, abs=1e-6)  # tensors in
+
+
+def test_linear_cka_float64_survives_a_large_common_offset():
+    """Deep layers share a large offset: float32 through Gram matrices cancels, float64 with column centring not."""
+    rng = np.random.default_rng(0)
+    X = 1e4 + rng.normal(size=(64, 16))
+    Y = 1e4 + X @ rng.normal(size=(16, 8)) / 4 + rng.normal(size=(64, 8))
+    ours = ev.linear_cka(X, Y)
+    assert ours == pytest.approx(gram_cka(X, Y, np.float64), abs=1e-6)
+    assert abs(gram_cka(X, Y, np.float32) - ours) > 1e-2
+
+
+def test_cka_command(byte_models, texts, tmp_path, capsys):
+    a, b, c = byte_models
+    same = ev.cka(a, a, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "same.json", device="cpu")
+    assert same["layers"] == [0, 1, 2, 3]
+    assert max(abs(d) for d in same["divergence"]) <= 1e-10
+
+    out = tmp_path / "pair.json"
+    r = ev.cka(a, b, texts, control=c, n=10, seeds=(1, 2), max_len=48, out=out, batch_size=4, device="cpu")
+    assert json.loads(out.read_text())["ratio"] == pytest.approx(r["ratio"])
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "ratio" in capsys.readouterr().out
+    for d, cd, ratio in zip(r["divergence"], r["control_divergence"], r["ratio"]):
+        assert 1e-6 < d < 1 and 1e-6 < cd < 1 and ratio == pytest.approx(d / cd, rel=1e-12)
+    per_seed = np.mean([s["cka"] for s in r["per_seed"].values()], axis=0)
+    assert r["cka"] == pytest.approx(per_seed.tolist(), abs=1e-15)
+    # padding must not enter the mean: one text per batch (no padding) gives the same numbers
+    alone = ev.cka(a, b, texts, control=c, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
+                   batch_size=1, device="cpu")
+    assert alone["cka"] == pytest.approx(r["cka"], abs=1e-6)
+
+
+def test_cka_checks_its_input(byte_models, texts, tmp_path):
+    a, b, _ = byte_models
+    with pytest.raises(DataError, match=rf"{texts.name}: 24 texts, fewer than the n=25"):
+        ev.cka(a, b, texts, n=25, out=tmp_path / "x.json", device="cpu")
+    deeper = make_model(tmp_path / "deeper", 0, num_hidden_layers=5, **BYTE_IDS)
+    with pytest.raises(DataError, match="different numbers of layers"):
+        ev.cka(a, deeper, texts, n=5, out=tmp_path / "x.json", device="cpu")
+    (tmp_path / "bare").mkdir()
+    ModernBERT(ModernBERTConfig.from_preset("tiny", **BYTE_IDS)).save_pretrained(tmp_path / "bare")
+    with pytest.raises(DataError, match="bare: no tokenizer.json .* pass --tokenizer"):
+        ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")
+
+
+def test_cka_cli(byte_models, texts, tmp_path):
+    a, b, c = byte_models
+    out = tmp_path / "cli" / "cka.json"
+    run = subprocess.run([sys.executable, str(ROOT / "eval.py"), "cka", str(a), str(b), f"--control={c}",
+                          f"--texts={texts}", "--n=8", "--seeds=1", "--max_len=32", f"--out={out}", "--device=cpu"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "ratio" in run.stdout and out.is_file() and out.with_suffix(".png").is_file()
+    assert len(json.loads(out.read_text())["ratio"]) == 4
+
+
+# ----------------------------------------------------------------------------
+# Metrics against their oracles
+
+
+def test_label_f1_matches_sklearn():
+    from sklearn.metrics import f1_score
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # "e" is never predicted, "f" never true
+        true = list(rng.choice(list("abcde"), size=30, p=[0.4, 0.3, 0.15, 0.1, 0.05]))
+        pred = list(rng.choice(list("abcf"), size=30))
+        got = ev.label_f1(true, pred)
+        for average in ("macro", "micro"):
+            assert got[f"{average}_f1"] == pytest.approx(f1_score(true, pred, average=average, zero_division=0),
+                                                         abs=1e-12)
+
+
+def test_multilabel_f1_matches_sklearn():
+    from sklearn.metrics import f1_score
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        true, pred = rng.random((30, 6)) < 0.3, rng.random((30, 6)) < 0.3
+        true[:, 5] = pred[:, 5] = False  # a label nobody has or predicts: 0 for that column (zero_division=0)
+        pred[:, 4] = False  # a label never predicted
+        true[:3] = False  # examples with an empty label list
+        got = ev.f1_scores(true, pred)
+        for average in ("macro", "micro"):
+            assert got[f"{average}_f1"] == pytest.approx(f1_score(true, pred, average=average, zero_division=0),
+                                                         abs=1e-12)
+
+
+def test_entities_and_entity_f1_match_seqeval():
+    from seqeval.metrics import f1_score
+    from seqeval.metrics.sequence_labeling import get_entities
+    # ill-formed on purpose: I- after O, a type switch inside an entity, B- then I- of another type
+    tricky = ["I-X", "I-X", "O", "B-X", "I-Y", "I-Y", "B-Y", "B-Y", "I-X", "O", "I-Y"]
+    assert ev.entities(tricky) == get_entities(tricky)
+    rng = np.random.default_rng(2)
+    tags = ["O", "O", "O", "B-X", "I-X", "B-Y", "I-Y"]
+    for _ in range(30):
+        lengths = rng.integers(1, 12, size=15)
+        true = [list(rng.choice(tags, size=n)) for n in lengths]
+        pred = [list(rng.choice(tags, size=n)) for n in lengths]
+        for sentence in true:
+            assert ev.entities(sentence) == get_entities(sentence)
+        assert ev.entity_f1(true, pred) == pytest.approx(f1_score(true, pred), abs=1e-12)
+    assert ev.entity_f1([["O", "O"]], [["O", "O"]]) == 0.0  # no entities anywhere: seqeval says 0 too
+
+
+# ----------------------------------------------------------------------------
+# Task encoding
+
+
+def test_token_encoding_labels_first_subtokens_and_truncates_whole_words():
+    tok = load_tokenizer("bytes")
+    task = {"kind": "token", "labels": ["B-D", "I-D", "O"]}
+    example = {"words": ["ab", "c", "de"], "label": ["B-D", "I-D", "O"]}
+    (ids, target), = ev.encode_task(task, [example], tok, max_len=512)
+    assert ids == [256, 97, 98, 32, 99, 32, 100, 101, 257]  # " " + word after the first: the space is in the token
+    assert target == [-100, 0, -100, 1, -100, 2, -100, -100, -100]
+    (ids, target), = ev.encode_task(task, [example], tok, max_len=6)  # [CLS] a b ␠ c [SEP]: " de" does not fit
+    assert ids == [256, 97, 98, 32, 99, 257] and target == [-100, 0, -100, 1, -100, -100]
+    (ids, target), = ev.encode_task(task, [example], tok, max_len=5)  # no half words: " c" goes too
+    assert ids == [256, 97, 98, 257] and target == [-100, 0, -100, -100]
+
+
+def test_fit_pair_cuts_the_longer_first():
+    for la in range(0, 12):
+        for lb in range(0, 12):
+            for budget in range(0, 14):
+                a, b = list(range(la)), list(range(lb))
+                while len(a) + len(b) > budget:  # the definition, one token at a time
+                    (a if len(a) > len(b) else b).pop()
+                assert ev.fit_pair(list(range(la)), list(range(lb)), budget) == (a, b)
+
+
+# ----------------------------------------------------------------------------
+# Fine-tuning
+
+
+@pytest.fixture(scope="module")
+def modernbert_model(tmp_path_factory):
+    """A random tiny model with ModernBERT's vocabulary and special ids."""
+    tokenizer = need(MODERNBERT_TOKENIZER)
+    return make_model(tmp_path_factory.mktemp("mb") / "tiny", 0, tokenizer=tokenizer)
+
+
+def test_finetune_ner_beats_the_majority_baseline(modernbert_model, tmp_path):
+    task = need(TASKS / "ncbi_disease" / "train.tsv").parent
+    out = tmp_path / "ner.json"
+    results = ev.finetune(modernbert_model, [task], seeds=(42,), out=out, epochs=2, lr=1e-3, max_len=64,
+                          train_subset=256, eval_subset=100, device="cpu")
+    r = json.loads(out.read_text())["tasks"]["ncbi_disease"]
+    assert r == json.loads(json.dumps(results["tasks"]["ncbi_disease"]))
+    assert r["kind"] == "token" and r["primary"] == "entity_f1" and r["labels"] == ["B-Disease", "I-Disease", "O"]
+    assert r["baseline"]["test"]["entity_f1"] == 0.0  # all "O"
+    assert r["mean"]["entity_f1"] > 0.1  # 0.26-0.32 seen over three model inits and two run seeds
+    run = r["seeds"]["42"]
+    assert set(run) == {"dev", "test", "best_epoch", "seconds"} and run["best_epoch"] in (1, 2)
+    assert set(r["std"]) == {"entity_f1", "macro_f1", "micro_f1"}
+
+
+def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
+    tasks = [need(TASKS / name / "train.jsonl").parent for name in ("chemprot", "pubmedqa")]
+    out = tmp_path / "seq.json"
+    r = ev.finetune(modernbert_model, tasks, seeds=(42, 43), out=out, epochs=1, max_len=96, train_subset=32,
+                    eval_subset=32, batch_size=16, device="cpu")["tasks"]
+    assert len(r["chemprot"]["labels"]) == 13 and r["pubmedqa"]["labels"] == ["maybe", "no", "yes"]
+    for name in ("chemprot", "pubmedqa"):
+        assert r[name]["kind"] == "single" and r[name]["primary"] == "macro_f1"
+        assert set(r[name]["seeds"]) == {"42", "43"} and r[name]["baseline"]["test"]["macro_f1"] > 0
+        for metric in ("macro_f1", "micro_f1"):
+            values = [s["test"][metric] for s in r[name]["seeds"].values()]
+            assert r[name]["mean"][metric] == pytest.approx(np.mean(values))
+            assert r[name]["std"][metric] == pytest.approx(np.std(values, ddof=1))
+    text = ev.table([out, out])
+    assert "chemprot [macro_f1]" in text and text.count("±") == 4
+
+
+def multilabel_task(root):
+    """Labels are the animals a text names (possibly none): learnable from bytes in a few steps."""
+    rng = np.random.default_rng(0)
+    names, filler = ["cat", "dog", "owl"], ["we", "saw", "a", "the", "here", "today"]
+    root.mkdir(parents=True)
+    for split, n in (("train", 96), ("dev", 32), ("test", 32)):
+        rows = []
+        for _ in range(n):
+            labels = sorted({x for x in names if rng.random() < 0.35})
+            words = list(rng.choice(filler, size=4)) + labels
+            rows.append({"text": " ".join(rng.permutation(words)), "label": labels})
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def test_finetune_multilabel(byte_models, tmp_path):
+    task = multilabel_task(tmp_path / "animals")
+    r = ev.finetune(byte_models[0], [task], seeds=(42,), out=tmp_path / "ml.json", epochs=6, lr=2e-3, max_len=64,
+                    pooling="mean", device="cpu")["tasks"]["animals"]
+    assert r["kind"] == "multi" and r["labels"] == ["cat", "dog", "owl"]
+    assert r["baseline"]["test"]["micro_f1"] == 0.0  # no animal is named in more than half of the texts
+    assert r["mean"]["micro_f1"] > 0.6
+
+
+@pytest.mark.slow
+def test_finetune_ner_longer_run(modernbert_model, tmp_path):
+    task = need(TASKS / "ncbi_disease" / "train.tsv").parent
+    r = ev.finetune(modernbert_model, [task], seeds=(42, 43), out=tmp_path / "ner.json", epochs=4, lr=1e-3,
+                    max_len=128, train_subset=1500, eval_subset=300, device="cpu")["tasks"]["ncbi_disease"]
+    assert r["mean"]["entity_f1"] > 0.3
+
+
+# ----------------------------------------------------------------------------
+# Bad input: named file and line, before any training
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_bad_task_input_is_named(tmp_path):
+    good = '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n'
+    for split in ("train", "dev"):
+        write(tmp_path / "nosplit" / f"{split}.jsonl", good)
+    with pytest.raises(DataError, match=r"nosplit: missing test.jsonl"):
+        ev.read_task(tmp_path / "nosplit")
+
+    for split in ("train", "dev", "test"):
+        extra = '{"text": "c", "label": "z"}\n' if split == "test" else ""
+        write(tmp_path / "unseen" / f"{split}.jsonl", good + extra)
+    with pytest.raises(DataError, match=r"unseen/test.jsonl:3: label 'z' does not occur in .*train.jsonl"):
+        ev.read_task(tmp_path / "unseen")
+
+    for split in ("train", "dev", "test"):
+        write(tmp_path / "badjson" / f"{split}.jsonl", good + ('{"text": "c", "label":\n' if split == "dev" else ""))
+    with pytest.raises(DataError, match=r"badjson/dev.jsonl:3: not valid JSON"):
+        ev.read_task(tmp_path / "badjson")
+    write(tmp_path / "badjson" / "dev.jsonl", good + '{"text": "c"}\n')
+    with pytest.raises(DataError, match=r"badjson/dev.jsonl:3: expected an object with 'text'"):
+        ev.read_task(tmp_path / "badjson")
+
+    sentences = "Aspirin\tO\ncures\tO\npain\tB-D\n\nOK\tO\n"
+    for split in ("train", "dev", "test"):
+        write(tmp_path / "tsv" / f"{split}.tsv", sentences)
+    write(tmp_path / "tsv" / "dev.tsv", sentences + "\nfever\tB-Sym\n")
+    with pytest.raises(DataError, match=r"tsv/dev.tsv:7: label 'B-Sym' does not occur in .*train.tsv"):
+        ev.read_task(tmp_path / "tsv")
+    write(tmp_path / "tsv" / "dev.tsv", sentences.replace("cures\tO", "cures O"))
+    with pytest.raises(DataError, match=r"tsv/dev.tsv:2: expected token<TAB>tag"):
+        ev.read_task(tmp_path / "tsv")
+
+
+def test_finetune_checks_every_task_before_loading_or_training(tmp_path, capsys):
+    task = multilabel_task(tmp_path / "ok")
+    write(tmp_path / "bad" / "train.tsv", "a\tO\n")
+    with pytest.raises(DataError, match="bad: missing dev.tsv"):  # not the missing model: tasks are read first
+        ev.finetune(tmp_path / "no-such-model", [task, tmp_path / "bad"], out=tmp_path / "r.json", device="cpu")
+    with pytest.raises(SystemExit) as exit:
+        ev.main(["finetune", str(tmp_path / "no-such-model"), f"--task={tmp_path / 'bad'}", "--device=cpu"])
+    assert exit.value.code == 2 and "error: " in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+# ----------------------------------------------------------------------------
+# MLM quality
+
+
+def test_mlm_matches_the_models_own_loss(byte_models, texts, tmp_path):
+    data_dir = tmp_path / "data"
+    prepare([texts], "bytes", data_dir, val_fraction=0.5)
+    r = ev.mlm(byte_models[0], data_dir, n_sequences=4, seq_len=32, batch_size=4, device="cpu")
+    model = ModernBERT.from_pretrained(byte_models[0]).eval()
+    (x, y), = list(val_batches(data_dir, 32, 4, 4, "mlm", mask_rate=0.15, seed=0))
+    with torch.no_grad():
+        _, loss = model(x, labels=y)
+    assert r["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert r["masked_tokens"] == int((y != -100).sum()) > 0 and 0 <= r["accuracy"] <= 1
+    assert abs(r["loss"] - math.log(320)) < 1.0  # a random model guesses near uniformly

@@ -1,0 +1,311 @@
+"""model.py against its oracle, transformers.ModernBertForMaskedLM, and the properties the recipe relies on."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import IGNORE_INDEX, Masks, ModernBERT, ModernBERTConfig, linear_cross_entropy
+
+transformers = pytest.importorskip("transformers")
+
+# Random shapes, each with sequences longer than its local window and a different global/local pattern.
+SHAPES = [
+    dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+         global_attn_every_n_layers=3, local_attention=16),
+    dict(hidden_size=96, intermediate_size=160, num_hidden_layers=5, num_attention_heads=3,
+         global_attn_every_n_layers=2, local_attention=32, global_rope_theta=1000.0, local_rope_theta=500.0),
+    dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+         global_attn_every_n_layers=3, local_attention=128),  # ModernBERT's own window, +-64
+]
+SPECIAL = dict(pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+
+
+def hf_checkpoint(tmp_path, shape, vocab=300, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.ModernBertConfig(vocab_size=vocab, attn_implementation="sdpa", **SPECIAL, **shape)
+    hf = transformers.ModernBertForMaskedLM(cfg).eval()
+    with torch.no_grad():  # HF inits the decoder bias at 0 and norms at 1: perturb so they are tested too
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def padded_batch(vocab, T=200, lengths=(200, 150, 37), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+        ids[b, n:] = SPECIAL["pad_token_id"]
+    return ids, mask
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_match_transformers(tmp_path, shape):
+    hf = hf_checkpoint(tmp_path, shape)
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    ids, mask = padded_batch(300)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        got, loss = ours(ids, mask)
+    assert loss is None and got.shape == want.shape == (3, 200, 300)
+    real = mask.bool()
+    assert (got - want)[real].abs().max().item() <= 1e-4
+
+
+def test_loss_matches_transformers_with_sparse_prediction(tmp_path):
+    hf = hf_checkpoint(tmp_path, SHAPES[0])
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    ids, mask = padded_batch(300)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3] = IGNORE_INDEX
+    labels[mask == 0] = IGNORE_INDEX
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits, got = ours(ids, mask, labels=labels)
+    assert logits is None  # never materialised with labels: the decoder is fused into the loss
+    assert abs(got.item() - want.item()) <= 1e-5
+
+
+def test_causal_matches_transformers_given_the_same_masks(tmp_path):
+    """transformers has no causal mode, but takes explicit per-layer-type masks: build them independently."""
+    shape = SHAPES[0]
+    hf = hf_checkpoint(tmp_path, shape)
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    T, w = 100, shape["local_attention"] // 2
+    ids = torch.randint(4, 300, (2, T), generator=torch.Generator().manual_seed(3))
+    i = torch.arange(T)
+    causal = i[None, :] <= i[:, None]
+    window = causal & (i[:, None] - i[None, :] <= w)
+    masks = {"full_attention": causal.expand(2, 1, T, T), "sliding_attention": window.expand(2, 1, T, T)}
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=masks).logits
+        got, _ = ours(ids, causal=True)
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_round_trip_through_save_pretrained(tmp_path):
+    hf = hf_checkpoint(tmp_path / "hf", SHAPES[1])
+    ours = ModernBERT.from_pretrained(str(tmp_path / "hf"))
+    ours.save_pretrained(str(tmp_path / "ours"))
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert {"layer_types", "rope_parameters", "global_rope_theta", "global_attn_every_n_layers"} <= set(config)
+    back = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "ours"), attn_implementation="sdpa").eval()
+    ids, mask = padded_batch(300)
+    with torch.no_grad():
+        a = hf(input_ids=ids, attention_mask=mask).logits
+        b = back(input_ids=ids, attention_mask=mask).logits
+    assert (a - b)[mask.bool()].abs().max().item() == 0.0
+
+
+def test_loads_old_config_spelling_and_file_with_decoder_weight(tmp_path):
+    hf = hf_checkpoint(tmp_path, SHAPES[1])
+    config = json.loads((tmp_path / "config.json").read_text())
+    # transformers 4.x spelling: thetas as top-level keys, no layer_types / rope_parameters
+    for key in ("layer_types", "rope_parameters"):
+        config.pop(key)
+    config.update(global_rope_theta=1000.0, local_rope_theta=500.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+    state = load_file(tmp_path / "model.safetensors")
+    state["decoder.weight"] = state["model.embeddings.tok_embeddings.weight"].clone()
+    save_file(state, tmp_path / "model.safetensors")
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.layer_types == tuple(hf.config.layer_types)
+    ids, mask = padded_batch(300)
+    with torch.no_grad():
+        assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
+
+
+def test_mismatched_checkpoint_names_the_keys(tmp_path):
+    hf_checkpoint(tmp_path, SHAPES[0])
+    from safetensors.torch import load_file, save_file
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.1.mlp.Wi.weight"] = state["model.layers.1.mlp.Wi.weight"][:10]
+    del state["model.final_norm.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.final_norm\.weight.*model\.layers\.1\.mlp\.Wi\.weight"):
+        ModernBERT.from_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type"):
+        ModernBERT.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        ModernBERT.from_pretrained(str(tmp_path / "nowhere" / "deeper"))
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = ModernBERTConfig.from_preset("tiny", vocab_size=320, pad_token_id=258, cls_token_id=256,
+                                       sep_token_id=257, mask_token_id=259, **kw)
+    return ModernBERT(cfg).eval()
+
+
+def test_causal_outputs_do_not_see_the_future_in_any_layer():
+    model = tiny()
+    assert {"full_attention", "sliding_attention"} == set(model.config.layer_types)
+    T, t = 200, 120
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    other = ids.clone()
+    other[:, t + 1:] = torch.randint(0, 256, (2, T - t - 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = model.hidden_states(ids, causal=True)
+        b = model.hidden_states(other, causal=True)
+        bidirectional = model.hidden_states(other)
+    assert len(a) == model.config.num_hidden_layers
+    for layer, (x, y) in enumerate(zip(a, b)):
+        assert (x[:, :t + 1] - y[:, :t + 1]).abs().max().item() <= 1e-6, f"layer {layer} saw the future"
+        assert (x[:, t + 1:] - y[:, t + 1:]).abs().max().item() > 1e-3  # the change itself is visible
+    # ...while bidirectional attention does propagate the change backwards
+    assert (a[-1][:, :t + 1] - model.hidden_states(ids)[-1][:, :t + 1]).abs().max() > 1e-3
+    assert (bidirectional[0][:, :t + 1] - model.hidden_states(ids)[0][:, :t + 1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_window_reaches_exactly_64_tokens_back(causal):
+    model = tiny()
+    local = next(b for b in model.model.layers if b.local)
+    assert model.config.window == 64
+    T, i = 260, 150
+    x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    masks = Masks("sdpa", 1, T, x.device, causal, model.config.window)
+    ropes = {loc: model_rope(model, T, loc) for loc in (False, True)}
+
+    def moved(j):  # how much the attention output at i changes when input j is perturbed, in one local layer
+        y = x.clone()
+        y[0, j, 0] += 10.0  # one coordinate: a shift of the whole row would vanish in the LayerNorm
+        with torch.no_grad():  # the attention branch alone: next to the residual its effect would round away
+            attend = lambda z: local.attn(local.attn_norm(z), ropes[True], masks)[0, i]  # noqa: E731
+            return (attend(x) - attend(y)).abs().max().item()
+
+    assert moved(i - 64) > 1e-6 and moved(i - 65) == 0.0
+    if causal:
+        assert moved(i + 1) == 0.0
+    else:
+        assert moved(i + 64) > 1e-6 and moved(i + 65) == 0.0
+
+
+def model_rope(model, T, local):
+    from model import rope_cos_sin
+    D = model.config.hidden_size // model.config.num_attention_heads
+    theta = model.config.local_rope_theta if local else model.config.global_rope_theta
+    return rope_cos_sin(torch.arange(T), D, theta)
+
+
+def test_document_ids_keep_packed_documents_apart():
+    """With doc_ids, a packed sequence gives each document the outputs it has alone (RoPE is relative)."""
+    model = tiny()
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randint(0, 256, (1, 90), generator=g), torch.randint(0, 256, (1, 110), generator=g)
+    packed = torch.cat([first, second], 1)
+    doc_ids = torch.cat([torch.zeros(1, 90), torch.ones(1, 110)], 1).long()
+    for causal in (False, True):
+        with torch.no_grad():
+            together = model.encode(packed, causal=causal, doc_ids=doc_ids)
+            alone = torch.cat([model.encode(first, causal=causal), model.encode(second, causal=causal)], 1)
+            crossing = model.encode(packed, causal=causal)
+        assert (together - alone).abs().max().item() <= 1e-4
+        assert (crossing - alone)[:, 90:].abs().max().item() > 1e-3  # the default lets attention cross
+
+
+@pytest.mark.parametrize("name, count", [("base", 149_655_232), ("large", 395_881_664)])
+def test_preset_parameter_counts(name, count):
+    with torch.device("meta"):
+        model = ModernBERT(ModernBERTConfig.from_preset(name))
+    assert model.num_params() == count
+
+
+def test_megatron_init():
+    model = tiny(num_hidden_layers=4)
+    std, out_std = 0.02, 0.02 / (2 * 4) ** 0.5
+    emb = model.model.embeddings.tok_embeddings.weight
+    assert emb is model.decoder.weight
+    assert abs(emb.std().item() - std * 0.88) < 0.002  # a +-2 sigma truncated normal has std 0.88 sigma
+    assert emb.abs().max().item() <= 2 * std
+    wo = model.model.layers[2].mlp.Wo.weight
+    assert abs(wo.std().item() - out_std * 0.88) < 0.001 and wo.abs().max().item() <= 2 * out_std
+    assert abs(model.head.dense.weight.std().item() - std * 0.88) < 0.002
+    assert torch.equal(model.model.final_norm.weight, torch.ones(128)) and not model.decoder.bias.any()
+
+
+def test_param_groups_split_by_ndim():
+    model = tiny()
+    groups = model.param_groups()
+    assert all(p.ndim >= 2 for _, p in groups["decay"]) and all(p.ndim <= 1 for _, p in groups["no_decay"])
+    names = [n for g in groups.values() for n, _ in g]
+    assert len(names) == len(set(names)) == len(dict(model.named_parameters()))
+    assert "decoder.bias" in dict(groups["no_decay"]) and "decoder.weight" not in names  # tied: counted once
+
+
+def test_flops_per_token_counts_every_matmul():
+    model = tiny()
+    c = model.config
+    T = 256
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.decoder)
+    head = model.head.dense.weight.numel() + model.decoder.weight.numel()
+    n_global = c.layer_types.count("full_attention")
+    n_local = c.num_hidden_layers - n_global
+    d = c.hidden_size
+    want_mlm = 6 * (matmul - model.head.dense.weight.numel() + 0.3 * head) + 12 * d * (n_global * T + n_local * 129)
+    want_clm = 6 * (matmul - model.head.dense.weight.numel() + head) + 12 * d * (n_global * (T + 1) / 2 + n_local * 65)
+    assert model.flops_per_token(T, causal=False, mask_rate=0.3) == pytest.approx(want_mlm)
+    assert model.flops_per_token(T, causal=True, mask_rate=1.0) == pytest.approx(want_clm)
+
+
+def test_linear_cross_entropy_matches_pytorch():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(30, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(30, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 30, (50,), generator=g)
+    y[::3] = IGNORE_INDEX
+    ours = linear_cross_entropy(h, w, b, y, chunk=7)
+    ours.backward()
+    mine = [t.grad.clone() for t in (h, w, b)]
+    for t in (h, w, b):
+        t.grad = None
+    ref = F.cross_entropy(F.linear(h, w, b), y)
+    ref.backward()
+    assert abs(ours.item() - ref.item()) < 1e-12
+    for a, r in zip(mine, (h.grad, w.grad, b.grad)):
+        assert (a - r).abs().max().item() < 1e-12
+    with torch.no_grad():  # no gradient work without grad mode, same value
+        assert abs(linear_cross_entropy(h, w, b, y).item() - ref.item()) < 1e-12
+
+
+def test_training_gradients_match_transformers(tmp_path):
+    """Sparse prediction and the fused loss give the gradients of the dense HF loss."""
+    hf = hf_checkpoint(tmp_path, SHAPES[0])
+    hf.train()
+    ours = ModernBERT.from_pretrained(str(tmp_path)).train()
+    ids, mask = padded_batch(300)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) > 0.3] = IGNORE_INDEX
+    labels[mask == 0] = IGNORE_INDEX
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ours(ids, mask, labels=labels)[1].backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert (p.grad - theirs[name].grad).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.gpu
+def test_backends_agree_in_bf16_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny().cuda()
+    ids, mask = padded_batch(256, T=512, lengths=(512, 300, 100))
+    ids, mask = ids.cuda(), mask.cuda()
+    outs = {}
+    for backend in ["sdpa", "flex"] + (["flash"] if __import__("model").flash_attn_varlen_func else []):
+        model.backend = backend
+        for causal in (False, True):
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+                outs[backend, causal] = model(ids, mask, causal=causal)[0].float()
+    for (backend, causal), out in outs.items():
+        diff = (out - outs["sdpa", causal])[mask.bool()].abs().max().item()
+        print(f"{backend} causal={causal}: max |logit diff| vs sdpa = {diff:.4f}")
+        assert diff <= 0.05 * outs["sdpa", causal].abs().max().item()

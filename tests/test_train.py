@@ -1,0 +1,250 @@
+"""train.py and freeze.py: the optimizer against torch.optim.AdamW, the schedules, the phase hand-off,
+exact resume, DDP equivalence and freezing that really freezes."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import freeze
+import train
+from conftest import ROOT
+from model import ModernBERT, ModernBERTConfig
+
+# A tiny run: 128-token sequences, 4 per step, a few steps; the paper's recipe otherwise.
+SMALL = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--compile=false",
+         "--eval_interval=1000", "--eval_sequences=2", "--log_interval=1000", "--save_interval=0",
+         "--warmup_tokens=1024", "--lr=1e-3", "--grad_clip=0"]
+STEP_TOKENS = 4 * 128
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "demo"
+    data.prepare_demo(str(out))
+    return str(out)
+
+
+def run(corpus, out_dir, *flags):
+    train.main([f"--data={corpus}", f"--out_dir={out_dir}", *SMALL, *flags])
+    return load_file(os.path.join(out_dir, "model.safetensors")), json.loads(open(os.path.join(out_dir, "state.json")).read())
+
+
+# --- optimizer and schedules -----------------------------------------------------------------------
+
+
+def test_adamw_equals_torch_adamw_with_scaled_weight_decay():
+    torch.manual_seed(0)
+    cfg = ModernBERTConfig.from_preset("tiny", vocab_size=320, pad_token_id=258, cls_token_id=256,
+                                       sep_token_id=257, mask_token_id=259)
+    ours, ref = ModernBERT(cfg), ModernBERT(cfg)
+    ref.load_state_dict(ours.state_dict())
+    peak, wd = 1e-3, 0.1  # a large decay, so that the decoupled scaling is visible
+    schedule = train.Config(lr=peak, warmup_tokens=3, schedule="constant")
+    opt = train.AdamW(ours.param_groups(), peak, (0.9, 0.98), 1e-6, wd)
+    groups = ref.param_groups()
+    torch_opt = torch.optim.AdamW([{"params": [p for _, p in groups["decay"]], "weight_decay": wd / peak},
+                                   {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0}],
+                                  lr=peak, betas=(0.9, 0.98), eps=1e-6)
+    x = torch.randint(0, 256, (2, 64))
+    y = torch.where(torch.rand(2, 64) < 0.3, x, -100)
+    for step in range(6):
+        lr = train.learning_rate(schedule, step)
+        for model in (ours, ref):
+            model.zero_grad()
+            model(x, labels=y)[1].backward()
+        opt.step(lr)
+        for g in torch_opt.param_groups:
+            g["lr"] = lr
+        torch_opt.step()
+        for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-9), (step, name)
+    assert opt.steps == 6
+    no_decay = {n for n, _ in groups["no_decay"]}
+    assert no_decay == {n for n, p in ours.named_parameters() if p.ndim <= 1}
+    assert any(n.endswith("norm.weight") for n in no_decay) and "decoder.bias" in no_decay
+
+
+def test_adamw_skips_frozen_parameters_entirely():
+    p, q = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3, 3))
+    opt = train.AdamW({"decay": [("p", p), ("q", q)], "no_decay": []}, 1e-2, weight_decay=0.5)
+    for frozen in (set(), {"p"}):  # one step to give p moments, then frozen with a zero gradient
+        opt.frozen = frozen
+        p.grad, q.grad = torch.ones(3, 3) if not frozen else torch.zeros(3, 3), torch.ones(3, 3)
+        before = p.detach().clone()
+        opt.step(1e-2)
+    assert torch.equal(p, before) and opt.moments["p"][0].abs().sum() > 0  # stale moments did not move it
+    assert not torch.equal(q, torch.ones(3, 3))
+
+
+def test_schedules_at_their_key_points():
+    peak = 2e-4
+    phase1 = train.Config(lr=peak, schedule="constant", warmup_tokens=100_000_000, tokens=10**10)
+    assert train.learning_rate(phase1, 0) == 0.0  # the first step (Composer's warmup starts at 0)
+    assert train.learning_rate(phase1, 25_000_000) == pytest.approx(peak / 4)
+    assert train.learning_rate(phase1, 100_000_000) == pytest.approx(peak)  # end of warmup
+    assert train.learning_rate(phase1, 5 * 10**9) == peak  # constant
+    decay = train.Config(lr=peak, schedule="1-sqrt", warmup_tokens=0, tokens=10**9, final_lr_frac=0.1)
+    assert train.learning_rate(decay, 0) == peak  # no warmup: starts at the peak
+    assert train.learning_rate(decay, 10**9) == pytest.approx(0.1 * peak)  # ends at 10% of the peak
+    assert train.learning_rate(decay, 250_000_000) == pytest.approx(peak * (0.1 + 0.9 * 0.5))  # 1 - sqrt(1/4)
+    assert train.learning_rate(decay, 640_000_000) == pytest.approx(peak * (0.1 + 0.9 * 0.2))  # 1 - sqrt(0.64)
+
+
+def test_phase_defaults_and_flag_parsing():
+    cfg, _ = train.resolve_config(["--phase=clm", "--data=d", "--tokens=10B"])
+    assert (cfg.mask_rate, cfg.causal, cfg.schedule, cfg.warmup_tokens, cfg.tokens) == (0.0, True, "constant", 10**8, 10**10)
+    assert (cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay) == (2e-4, 0.9, 0.98, 1e-6, 1e-5)
+    assert (cfg.seq_len, cfg.batch_size, cfg.out_dir) == (8192, 384, "out/clm")
+    cfg, _ = train.resolve_config(["--phase", "mlm", "--data", "d", "--resume=false"])
+    assert cfg.mask_rate == 0.3 and not cfg.causal
+    cfg, _ = train.resolve_config(["--phase=decay", "--data=d", "--tokens=1e9"])
+    assert (cfg.mask_rate, cfg.schedule, cfg.warmup_tokens, cfg.final_lr_frac) == (0.15, "1-sqrt", 0, 0.1)
+    for bad, message in ((["--bogus=1"], "unknown flag --bogus"), (["--lr=fast"], "--lr='fast' is not a valid float"),
+                         (["--phase=sft"], "--phase='sft'"), (["--phase=decay", "--data=d"], "--phase=decay needs"),
+                         (["--data=d", "--mask_rate=0"], "needs --causal")):
+        with pytest.raises(SystemExit, match=message):
+            train.resolve_config(bad)
+
+
+def test_freeze_specs():
+    assert freeze.parse_layers("0-7", 22) == list(range(8))
+    assert freeze.parse_layers("8-14", 22) == list(range(8, 15))
+    assert freeze.parse_layers("0,2,5", 22) == [0, 2, 5]
+    assert freeze.parse_layers("low", 22) == list(range(8)) and freeze.parse_layers("mid", 22) == list(range(8, 15))
+    assert freeze.parse_layers("", 22) == []
+    with pytest.raises(ValueError, match="outside the model's blocks 0-21"):
+        freeze.parse_layers("20-23", 22)
+    with pytest.raises(ValueError, match="expected block ranges"):
+        freeze.parse_layers("first", 22)
+
+
+# --- runs ------------------------------------------------------------------------------------------
+
+
+def test_exact_resume_is_bit_identical(corpus, tmp_path):
+    flags = ["--phase=mlm", f"--tokens={6 * STEP_TOKENS}"]
+    straight, _ = run(corpus, tmp_path / "straight", *flags)
+    run(corpus, tmp_path / "stopped", *flags, "--max_steps=2")
+    assert json.loads((tmp_path / "stopped" / "state.json").read_text())["phase_step"] == 2
+    with pytest.raises(SystemExit, match="already holds a checkpoint"):  # nothing written is overwritten by accident
+        run(corpus, tmp_path / "stopped", *flags)
+    resumed, state = run(corpus, tmp_path / "stopped", "--resume")
+    assert state["phase_step"] == 6 and state["step"] == 6
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    log = [json.loads(line) for line in open(tmp_path / "stopped" / "log.jsonl")]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+
+
+def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
+    run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={3 * STEP_TOKENS}")
+    clm_state = json.loads((tmp_path / "clm" / "state.json").read_text())
+    decay, state = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--max_steps=1")
+    assert state["step"] == 4 and state["phase_step"] == 1 and state["phase"] == "decay"
+    assert state["config"]["tokens"] == 3 * STEP_TOKENS // 10  # 10% of the Phase-1 budget by default...
+    assert state["config"]["tokens"] < STEP_TOKENS and state["phase_step"] == 1  # ...at least one step
+
+    # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW.
+    model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
+    moments = load_file(tmp_path / "clm" / "optimizer.safetensors")
+    loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
+    loader.load_state_dict(clm_state["loader"])
+    for _ in range(loader.accum):
+        x, y = loader.next()
+        (model(x, labels=y)[1] / loader.accum).backward()
+    groups = model.param_groups()
+    peak, wd = 1e-3, 1e-5
+    opt = torch.optim.AdamW([{"params": [p for _, p in groups["decay"]], "weight_decay": wd / peak},
+                             {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0}],
+                            lr=peak, betas=(0.9, 0.98), eps=1e-6)
+    for name, p in model.named_parameters():
+        opt.state[p] = {"step": torch.tensor(float(clm_state["step"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
+                        "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
+    fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()  # the decay schedule starts at the peak
+    for name, p in model.named_parameters():
+        assert torch.allclose(p, decay[name] if name != "decoder.weight" else decay["model.embeddings.tok_embeddings.weight"],
+                              rtol=1e-5, atol=1e-7), name
+    # A fresh optimizer (zero moments, t = 1) would have moved the weights differently.
+    moved = decay["model.layers.0.attn.Wqkv.weight"] - fresh["model.layers.0.attn.Wqkv.weight"]
+    assert not torch.allclose(moved.abs(), torch.full_like(moved, peak), rtol=1e-3)
+
+
+def test_freezing_leaves_frozen_blocks_bit_identical(corpus, tmp_path):
+    run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={3 * STEP_TOKENS}")
+    before = load_file(tmp_path / "clm" / "model.safetensors")
+    moments = load_file(tmp_path / "clm" / "optimizer.safetensors")
+    assert moments["exp_avg.model.layers.0.attn.Wqkv.weight"].abs().sum() > 0  # stale moments that could move it
+    after, _ = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--freeze=0-1",
+                   f"--tokens={3 * STEP_TOKENS}", "--weight_decay=0.1")
+    for name, tensor in before.items():
+        block = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if block in (0, 1):
+            assert torch.equal(tensor, after[name]), f"frozen {name} moved"
+        else:
+            assert not torch.equal(tensor, after[name]), f"{name} did not train"
+
+
+def torchrun(nproc, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_path):
+    """Same global batches: 2 gloo processes x accumulation 1 vs 1 process x accumulation 2. Also freezing under DDP."""
+    flags = [f"--data={corpus}", *SMALL, "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--freeze=1", "--weight_decay=0.1"]
+    out = torchrun(2, *flags, f"--out_dir={tmp_path / 'two'}")
+    assert "2 micro x 1 accumulation x 2 process(es)" in out
+    train.main([*flags, f"--out_dir={tmp_path / 'one'}"])
+    two = load_file(tmp_path / "two" / "model.safetensors")
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    for name in one:
+        assert (one[name] - two[name]).abs().max().item() <= 1e-5, name
+    torch.manual_seed(17)  # the scratch init, seeded by --seed
+    init = ModernBERT(ModernBERTConfig.from_preset("tiny", vocab_size=320, pad_token_id=258, cls_token_id=256,
+                                                   sep_token_id=257, mask_token_id=259)).state_dict()
+    for name, tensor in two.items():
+        assert torch.equal(tensor, init[name]) == name.startswith("model.layers.1."), name
+
+
+def test_non_finite_loss_stops_without_touching_the_checkpoint(corpus, tmp_path):
+    run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--max_steps=1")
+    before = (tmp_path / "run" / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match="non-finite loss .* at step 3"):  # step 2 explodes the weights
+        run(corpus, tmp_path / "run", "--resume", "--lr=1e30")
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == before
+
+
+def test_bad_data_is_reported_before_training(corpus, tmp_path):
+    with pytest.raises(SystemExit, match="meta.json: not found"):
+        train.main([f"--data={tmp_path}", *SMALL, f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit, match="seq_len 5000000 is longer than the data"):
+        train.main([f"--data={corpus}", *SMALL, "--seq_len=5000000", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit, match="not a multiple of --micro_batch_size=3"):
+        train.main([f"--data={corpus}", *SMALL, "--micro_batch_size=3", f"--out_dir={tmp_path / 'out'}"])
+
+
+def test_demo_runs_from_a_fresh_directory_and_transformers_loads_the_result(tmp_path):
+    """`python train.py` alone: builds data/demo, trains the tiny preset, writes a Hugging Face directory."""
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--max_steps=3"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "building the embedded demo corpus" in result.stdout and "saved out/mlm at step 3" in result.stdout
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out" / "mlm"), attn_implementation="sdpa").eval()
+    ours = ModernBERT.from_pretrained(str(tmp_path / "out" / "mlm")).eval()
+    ids = torch.randint(0, 256, (2, 300))
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - ours(ids)[0]).abs().max().item() <= 1e-4
+    state = json.loads((tmp_path / "out" / "mlm" / "state.json").read_text())
+    assert state["tokenizer"] == "bytes" and state["code"]["sha256"] and math.isfinite(json.loads(
+        (tmp_path / "out" / "mlm" / "log.jsonl").read_text().splitlines()[-1])["loss"])
