@@ -290,11 +290,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, labels, chunk, with_grad):
         n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
-        if with_grad:
-            grad_h = torch.empty_like(h)
-            acc = torch.promote_types(weight.dtype, torch.float32)  # accumulate bf16 chunks in fp32
-            grad_w = torch.zeros_like(weight, dtype=acc)
-            grad_b = torch.zeros_like(bias, dtype=acc)
+        grad_h = torch.empty_like(h) if with_grad else None
+        grad_w = grad_b = None
         for i in range(0, h.shape[0], chunk):
             hc, yc = h[i:i + chunk], labels[i:i + chunk]
             logits = F.linear(hc, weight, bias)
@@ -303,23 +300,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = yc.clamp(min=0)
             lse = logits.logsumexp(-1)
             loss += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            if with_grad:
-                g = (logits - lse[:, None]).exp_()  # softmax
+            if with_grad:  # d mean-loss / d logits = (softmax - onehot) / n on labelled rows
+                g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(yc), device=g.device), target] -= 1
-                g = (g * valid[:, None]).to(hc.dtype if not torch.is_autocast_enabled(hc.device.type)
-                                             else torch.get_autocast_dtype(hc.device.type))
+                g = g.mul_((valid.to(g.dtype) / n)[:, None]).to(hc.dtype if not torch.is_autocast_enabled(hc.device.type)
+                                                    else torch.get_autocast_dtype(hc.device.type))
                 grad_h[i:i + chunk] = g @ weight.to(g.dtype)
-                grad_w += g.t() @ hc.to(g.dtype)
-                grad_b += g.sum(0)
+                gw, gb = g.t() @ hc.to(g.dtype), g.sum(0)
+                acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
+                grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
+                grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
         if with_grad:
-            ctx.w_dtype = weight.dtype
-            ctx.save_for_backward(grad_h / n, grad_w / n, grad_b / n)
+            ctx.dtypes = weight.dtype, bias.dtype
+            ctx.save_for_backward(grad_h, grad_w, grad_b)
         return loss / n
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h * grad, (grad_w * grad).to(ctx.w_dtype), (grad_b * grad).to(ctx.w_dtype), None, None, None
+        return grad_h * grad, (grad_w * grad).to(ctx.dtypes[0]), (grad_b * grad).to(ctx.dtypes[1]), None, None, None
 
 
 def linear_cross_entropy(h, weight, bias, labels, chunk=4096):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import data
 import freeze
-from model import ModernBERT, ModernBERTConfig, write_json
+from model import BACKEND_NAMES, ModernBERT, ModernBERTConfig, resolve_checkpoint, write_json
 
 # -----------------------------------------------------------------------------
 # Configuration: the paper's recipe as typed defaults; a phase preset, the demo, the run we start
@@ -68,7 +68,7 @@ class Config:
     max_steps: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0: run to the budget
     resume: bool = False  # continue out_dir exactly where it stopped
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "bfloat16"  # autocast dtype on CUDA; CPU runs fp32
+    dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
     backend: str = "auto"  # attention: auto | flash | flex | sdpa
 
@@ -170,7 +170,7 @@ def check_config(cfg):
         (cfg.tokens > 0 and cfg.seq_len > 0 and cfg.batch_size > 0 and cfg.micro_batch_size > 0,
          "--tokens, --seq_len, --batch_size and --micro_batch_size must be positive"),
         (cfg.lr > 0 and 0 <= cfg.final_lr_frac <= 1, "--lr must be positive and --final_lr_frac within [0, 1]"),
-        (cfg.dtype in ("bfloat16", "float16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16, float16 or float32"),
+        (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
         (cfg.backend in ("auto", "flash", "flex", "sdpa"), f"--backend={cfg.backend!r}: expected auto, flash, flex or sdpa"),
     ]
     for ok, message in problems:
@@ -376,15 +376,16 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
     # --- model: from a preset, a Hugging Face checkpoint, or one of our runs ---
     torch.manual_seed(cfg.seed)  # the same init on every rank
     start = resume_state or init_run
-    if start is not None:
-        model = ModernBERT.from_pretrained(start["dir"], cfg.backend)
-    elif cfg.init_from == "scratch":
+    source = start["dir"] if start is not None else None if cfg.init_from == "scratch" else resolve_checkpoint(cfg.init_from)
+    if source is not None:
+        model = ModernBERT.from_pretrained(source, cfg.backend)
+        if os.path.exists(os.path.join(source, "tokenizer.json")):  # the model's own tokenizer must be the data's
+            data.check_tokenizer(meta, data.load_tokenizer(os.path.join(source, "tokenizer.json")))
+    else:
         vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
         model = ModernBERT(ModernBERTConfig.from_preset(
             cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
             sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"]), cfg.backend)
-    else:
-        model = ModernBERT.from_pretrained(cfg.init_from, cfg.backend)
     check_data_fits_model(meta, model.config, cfg)
     model.config.attention_dropout = cfg.dropout
     for block in model.model.layers:
@@ -427,7 +428,7 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
     print0(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
            f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, {world} process(es)")
     print0(f"model: {raw_model.num_params():,} parameters, attention: {raw_model.attention_backend(device)} = "
-           f"{__import__('model').BACKEND_NAMES[raw_model.attention_backend(device)]}")
+           f"{BACKEND_NAMES[raw_model.attention_backend(device)]}")
     print0(f"batch: {cfg.batch_size} sequences = {cfg.micro_batch_size} micro x {accum} accumulation x {world} "
            f"process(es); {tokens_per_step:,} tokens/step; {total_steps:,} steps for {cfg.tokens:,} tokens")
     print0(f"phase {cfg.phase}: {'CLM, causal mask' if cfg.causal else f'MLM at {cfg.mask_rate:.0%}, bidirectional'}; "
@@ -486,8 +487,11 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
 
     # --- the loop ---
     model.train()
+    def next_batch():  # pinned host memory lets the copy overlap the GPU's work
+        return [t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in loader.next()]
+
     loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
-    x, y = (t.to(device, non_blocking=True) for t in loader.next())
+    x, y = next_batch()
     params = [p for p in raw_model.parameters()]
     stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
     while step < stop:
@@ -503,9 +507,10 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
             loss_sum += loss.detach()
             if micro == accum - 1:
                 loader_state = loader.state_dict()
-            x, y = (t.to(device, non_blocking=True) for t in loader.next())  # the next batch, while the GPU works
+            x, y = next_batch()  # the next batch, prepared while the GPU works
         freeze.zero_frozen_grads(raw_model, frozen)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else
+                     torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         optimizer.step(lr)
         for p in params:
             p.grad = None

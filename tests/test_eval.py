@@ -278,9 +278,9 @@ def test_finetune_multilabel(byte_models, tmp_path):
 @pytest.mark.slow
 def test_finetune_ner_longer_run(modernbert_model, tmp_path):
     task = need(TASKS / "ncbi_disease" / "train.tsv").parent
-    r = ev.finetune(modernbert_model, [task], seeds=(42, 43), out=tmp_path / "ner.json", epochs=4, lr=1e-3,
-                    max_len=128, train_subset=1500, eval_subset=300, device="cpu")["tasks"]["ncbi_disease"]
-    assert r["mean"]["entity_f1"] > 0.3
+    r = ev.finetune(modernbert_model, [task], seeds=(42,), out=tmp_path / "ner.json", epochs=3, lr=1e-3,
+                    max_len=128, train_subset=1000, eval_subset=300, device="cpu")["tasks"]["ncbi_disease"]
+    assert r["mean"]["entity_f1"] > 0.3  # 0.38-0.40 seen with seeds 42 and 43
 
 
 # ----------------------------------------------------------------------------
