@@ -422,14 +422,18 @@ class ModernBERT(nn.Module):
         Without labels: logits (B, T, vocab) and loss None. With labels: sparse prediction, as
         ModernBERT trains: the head runs only on positions whose label is not -100, the decoder and
         cross-entropy are fused in chunks, and logits is None (they are never materialised).
-        loss is the mean cross-entropy over the labelled positions."""
+        loss is the mean cross-entropy over the labelled positions. Labels may stay in host memory
+        while the model is on a GPU: the labelled positions are then found on the host, with no sync."""
         h = self.encode(input_ids, attention_mask, causal, doc_ids)  # (B, T, d)
         if labels is None:
             return self.predict(h), None
-        keep = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)  # (M,)
+        flat = labels.flatten()
+        keep = (flat != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), on the labels' device
+        targets = flat[keep]
+        if keep.device != h.device:
+            keep, targets = (t.pin_memory().to(h.device, non_blocking=True) for t in (keep, targets))
         h = self.head_hidden(h.flatten(0, 1)[keep])  # (M, d)
-        loss = linear_cross_entropy(h, self.decoder.weight, self.decoder.bias, labels.flatten()[keep])
-        return None, loss
+        return None, linear_cross_entropy(h, self.decoder.weight, self.decoder.bias, targets)
 
     # --- optimizer groups and FLOPs ---
     def param_groups(self):
@@ -523,5 +527,6 @@ def resolve_checkpoint(path_or_id):
         from huggingface_hub import snapshot_download
         return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
     except Exception as e:
-        raise RuntimeError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise RuntimeError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {reason}); "
                            f"download it where the network allows and pass the local directory") from e

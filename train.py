@@ -418,7 +418,8 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
         for block in model.model.layers:  # regional compilation: one graph per block kind, compiled once
             block.compile()
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # no device_ids: DDP would otherwise move the host-side labels to the GPU (the model handles them there)
+        model = torch.nn.parallel.DistributedDataParallel(model)
     autocast = (torch.autocast("cuda", dtype=getattr(torch, cfg.dtype)) if device.type == "cuda" and cfg.dtype != "float32"
                 else contextlib.nullcontext())
     flops = raw_model.flops_per_token(cfg.seq_len, cfg.causal, cfg.mask_rate or 1.0)
@@ -475,7 +476,7 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
         losses = {}
         with torch.no_grad(), autocast:
             for name, obj, rate, causal in (("val_mlm", "mlm", 0.15, False), ("val_clm", "clm", 0.0, True)):
-                total = [raw_model(x.to(device), labels=y.to(device), causal=causal, doc_ids=docs(x))[1].float()
+                total = [raw_model(x.to(device), labels=y, causal=causal, doc_ids=docs(x))[1].float()
                          for x, y in data.val_batches(cfg.data, cfg.seq_len, cfg.eval_sequences, cfg.micro_batch_size,
                                                       obj, rate, seed=0)]
                 losses[name] = torch.stack(total).mean().item()
@@ -487,8 +488,11 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
 
     # --- the loop ---
     model.train()
-    def next_batch():  # pinned host memory lets the copy overlap the GPU's work
-        return [t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in loader.next()]
+    def next_batch():
+        """Ids go to the device from pinned memory, so the copy overlaps the GPU's work; labels stay on the
+        host, where the model finds the positions to predict without a device sync."""
+        x, y = loader.next()
+        return (x.pin_memory().to(device, non_blocking=True), y) if device.type == "cuda" else (x, y)
 
     loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
     x, y = next_batch()

@@ -29,9 +29,20 @@ def make_model(path, seed, tokenizer="bytes", **config):
 
 @pytest.fixture(scope="module")
 def byte_models(tmp_path_factory):
-    """Three tiny models with the byte tokenizer's ids: A, B, and a seed control C."""
-    root = tmp_path_factory.mktemp("models")
-    return [make_model(root / name, seed, **BYTE_IDS) for name, seed in (("a", 1), ("b", 2), ("c", 3))]
+    """Runs trained here by train.py from one start checkpoint, as in the paper: A the CLM detour, B its MLM twin
+    (same data order), C the MLM seed control (another training seed). Short, but real run directories."""
+    import train
+    from data import prepare_demo
+    root = tmp_path_factory.mktemp("runs")
+    prepare_demo(str(root / "demo"))
+    torch.manual_seed(0)  # a stand-in for the pretrained checkpoint: a Hugging Face directory
+    ModernBERT(ModernBERTConfig.from_preset("tiny", **BYTE_IDS)).save_pretrained(root / "start")
+    flags = [f"--data={root / 'demo'}", f"--init_from={root / 'start'}", "--seq_len=128", "--batch_size=4",
+             "--micro_batch_size=4", "--tokens=2048", "--warmup_tokens=512", "--lr=3e-3", "--compile=false",
+             "--eval_sequences=2", "--log_interval=1000"]
+    for name, phase, seed in (("a", "clm", 17), ("b", "mlm", 17), ("c", "mlm", 18)):
+        train.main([*flags, f"--phase={phase}", f"--seed={seed}", f"--out_dir={root / name}"])
+    return [root / name for name in "abc"]
 
 
 @pytest.fixture(scope="module")

@@ -309,3 +309,24 @@ def test_backends_agree_in_bf16_on_gpu():
         diff = (out - outs["sdpa", causal])[mask.bool()].abs().max().item()
         print(f"{backend} causal={causal}: max |logit diff| vs sdpa = {diff:.4f}")
         assert diff <= 0.05 * outs["sdpa", causal].abs().max().item()
+
+
+def test_hub_id_without_network_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here; where there is one, offline mode says the same
+    with pytest.raises(RuntimeError, match="could not fetch 'answerdotai/ModernBERT-base'.*local directory"):
+        ModernBERT.from_pretrained("answerdotai/ModernBERT-base")
+
+
+@pytest.mark.slow
+def test_flex_attention_matches_sdpa_on_cpu():
+    """FlexAttention is the GPU path without flash-attn; on a CPU it compiles slowly (~15 s a mask), hence slow."""
+    model = tiny()
+    ids, mask = padded_batch(256, T=200)
+    docs = torch.arange(200)[None].expand(3, 200) // 70
+    for causal, doc_ids in ((False, None), (True, docs)):
+        out = {}
+        for backend in ("sdpa", "flex"):
+            model.backend = backend
+            with torch.no_grad():
+                out[backend] = model(ids, mask, causal=causal, doc_ids=doc_ids)[0]
+        assert (out["sdpa"] - out["flex"])[mask.bool()].abs().max().item() <= 1e-4
