@@ -189,13 +189,18 @@ def load_tokenizer(spec):
         except Exception as e:
             raise DataError(f"could not fetch tokenizer.json of hub id {spec!r} ({type(e).__name__}); "
                             f"without network pass the path of a local tokenizer.json") from None
+    return Tokenizer(read_json(path, "tokenizer file not found (expected a tokenizer.json, a hub id, or 'bytes')"), spec)
+
+
+def read_json(path, missing):
+    """The JSON in path, or a DataError naming the file; `missing` says what was expected there."""
+    path = Path(path)
     if not path.is_file():
-        raise DataError(f"{spec}: tokenizer file not found (expected a tokenizer.json, a hub id, or 'bytes')")
+        raise DataError(f"{path}: {missing}")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{spec}: not a readable tokenizer.json ({e})") from None
-    return Tokenizer(config, spec)
+        raise DataError(f"{path}: not readable JSON ({e})") from None
 
 
 def check_tokenizer(meta, tokenizer):
@@ -365,7 +370,7 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
             per = {n: {"tokens": int(lens[d].sum()), "documents": len(d)} for n, lens, d in zip(names, lengths, chosen)}
             splits[split] = {"tokens": sum(v["tokens"] for v in per.values()), "documents": len(doc), "per_source": per}
 
-        meta = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.spec,
+        meta = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": str(Path(tokenizer_spec).resolve()) if Path(tokenizer_spec).is_file() else tokenizer.spec,
                 "tokenizer_fingerprint": tokenizer.fingerprint, "cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id,
                 "pad_id": tokenizer.pad_id, "mask_id": tokenizer.mask_id, "special_ids": tokenizer.special_ids,
                 "field": field, "seed": seed, "val_fraction": val_fraction, "mix": mix, "splits": splits,
@@ -390,12 +395,7 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
 def load_meta(data_dir):
     """Read data_dir/meta.json, stopping with a message that names the file when it is missing or unreadable."""
     path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise DataError(f"{path}: not found; run `python data.py prepare ...` (or `python data.py` for the demo)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not readable JSON ({e})") from None
+    meta = read_json(path, "not found; run `python data.py prepare ...` (or `python data.py` for the demo)")
     keys = ("format", "dtype", "vocab_size", "tokenizer", "tokenizer_fingerprint", "sep_id", "mask_id", "special_ids")
     if not isinstance(meta, dict) or meta.get("format") != 1 or not all(k in meta for k in keys):
         raise DataError(f"{path}: not a format-1 meta.json written by `data.py prepare` (needs keys {', '.join(keys)})")

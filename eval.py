@@ -236,6 +236,7 @@ def plot_divergence(result, path):
     if min(result["divergence"] + result.get("control_divergence", [])) > 0:
         ax.set_yscale("log")  # the paper's ratios span 1x to 44x
     ax.set(xlabel="layer", ylabel="1 - linear CKA", title="representation divergence by layer")
+    ax.set_xticks(result["layers"])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

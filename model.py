@@ -8,6 +8,7 @@ The same weights run with a bidirectional mask (MLM) or a causal one (the CLM de
 changes only which keys each query may see. Global layers see every key (j <= i when causal); local
 layers see |i - j| <= 64 (i - 64 <= j <= i when causal).
 """
+import functools
 import json
 import math
 import os
@@ -34,6 +35,10 @@ IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and 
 
 
 def pick_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
+        raise ValueError("attention backend 'flash' needs flash-attn installed and a CUDA device")
+    if requested == "flex" and flex_attention is None:
+        raise ValueError("attention backend 'flex' needs PyTorch >= 2.5 (torch.nn.attention.flex_attention)")
     if requested != "auto":
         return requested
     if device.type == "cuda" and flash_attn_varlen_func is not None:
@@ -46,12 +51,49 @@ def pick_backend(device: torch.device, requested: str = "auto") -> str:
 BACKEND_NAMES = {
     "flash": "flash-attn varlen (unpadded: padding tokens are never computed)",
     "flex": "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)",
-    "sdpa": "PyTorch scaled_dot_product_attention with dense boolean masks",
+    "sdpa": "PyTorch scaled_dot_product_attention with dense masks (flash-attn and FlexAttention are used on CUDA)",
 }
 
 if flex_attention is not None:
-    # Compiled once: eager FlexAttention materialises the full score matrix. Only used on CUDA.
+    # Compiled: eager FlexAttention would materialise the full score matrix.
     compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
+    """keep(b, h, q, k) -> bool: may query q see key k. Written once for dense masks (b=None: every row) and
+    for FlexAttention (scalar indices)."""
+
+    def keep(b, h, q, k):
+        ok = torch.ones_like(q == k)
+        if causal:
+            ok = ok & (k <= q)
+        if local:
+            ok = ok & ((q - k).abs() <= window)
+        if token_mask is not None:
+            ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
+        if doc_ids is not None:
+            ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
+        # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
+        # into later layers through 0 * NaN); real tokens always see themselves anyway.
+        return ok | (q == k)
+
+    return keep
+
+
+def build_mask(backend, T, device, causal, window, local, token_mask=None, doc_ids=None):
+    """A dense (B or 1, 1, T, T) mask for SDPA (None where it needs none), or a FlexAttention block mask."""
+    keep = mask_rule(causal, window, local, token_mask, doc_ids)
+    per_row = token_mask if token_mask is not None else doc_ids
+    if backend == "sdpa":
+        if per_row is None and not local:
+            return None  # a global layer with no padding: SDPA's own (causal) kernel
+        i = torch.arange(T, device=device)
+        return keep(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
+    return create_block_mask(keep, None if per_row is None else per_row.shape[0], None, T, T, device=device,
+                             _compile=device.type == "cuda")
+
+
+cached_mask = functools.lru_cache(maxsize=32)(build_mask)  # shape-only masks: training builds them once
 
 
 class Masks:
@@ -75,54 +117,31 @@ class Masks:
             self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
             self.max_seqlen = T if token_mask is None and doc_ids is None else int(lengths.max())
             return
-        keep = self._predicate(B, T, device, token_mask, doc_ids)
-        if backend == "sdpa":
-            i = torch.arange(T, device=device)
-            plain = token_mask is None and doc_ids is None  # global layers then need no mask at all
-            self.dense = {local: None if plain and not local else
-                          keep(None, None, i[:, None], i[None, :], local).view(-1, 1, T, T) for local in (False, True)}
-        elif backend == "flex":
-            b = None if token_mask is None and doc_ids is None else B
-            self.block = {local: create_block_mask(lambda bi, h, q, k, local=local: keep(bi, h, q, k, local),
-                                                   b, None, T, T, device=device) for local in (False, True)}
-        else:
+        if backend not in ("sdpa", "flex"):
             raise ValueError(f"unknown attention backend {backend!r}; expected auto, flash, flex or sdpa")
-
-    def _predicate(self, B, T, device, token_mask, doc_ids):
-        """keep(b, h, q, k, local) -> bool, written once for dense masks (b=None: all rows) and FlexAttention."""
-        window, causal = self.window, self.causal
-
-        def keep(b, h, q, k, local):
-            ok = torch.ones_like(q == k)
-            if causal:
-                ok = ok & (k <= q)
-            if local:
-                ok = ok & ((q - k).abs() <= window)
-            if token_mask is not None:
-                ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
-            if doc_ids is not None:
-                ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
-            # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
-            # into later layers through 0 * NaN); real tokens always see themselves anyway.
-            return ok | (q == k)
-
-        return keep
+        if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
+            self.masks = {local: cached_mask(backend, T, device, causal, window, local) for local in (False, True)}
+        else:
+            self.masks = {local: build_mask(backend, T, device, causal, window, local, token_mask, doc_ids)
+                          for local in (False, True)}
 
     def attend(self, q, k, v, local):
         """q, k, v: (B, T, H, D), or (N, H, D) unpadded for flash. Returns the same layout."""
         scale = q.shape[-1] ** -0.5
         if self.backend == "flash":
+            if q.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError("flash-attn computes in bf16/fp16: run under torch.autocast, or use backend 'flex'/'sdpa'")
             w = self.window if local else -1
             return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen,
                                           self.max_seqlen, softmax_scale=scale,
                                           causal=self.causal, window_size=(w, 0 if self.causal and local else w))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.backend == "sdpa":
-            mask = self.dense[local]  # None: unmasked global layer, causal or not
+            mask = self.masks[local]  # None: unmasked global layer, causal or not
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and self.causal,
                                                scale=scale)
         else:
-            y = compiled_flex_attention(q, k, v, block_mask=self.block[local], scale=scale)
+            y = compiled_flex_attention(q, k, v, block_mask=self.masks[local], scale=scale)
         return y.transpose(1, 2)  # (B, T, H, D)
 
 
@@ -285,26 +304,36 @@ class ModernBERTConfig:
 # are formed chunk by chunk there and only scaled by the incoming gradient in backward.
 
 
+def _chunk_loss_and_grad(logits, target, valid, n, with_grad):
+    """A chunk's summed loss and d mean-loss / d logits = (softmax - onehot) * valid / n, in the logits' dtype.
+    The math is fp32 (at least); on CUDA this is compiled into one fused pass over the (c, V) chunk."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = z.logsumexp(-1)
+    loss = ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+    if not with_grad:
+        return loss, None
+    onehot = torch.arange(z.shape[1], device=z.device) == target[:, None]
+    return loss, (((z - lse[:, None]).exp() - onehot.to(z.dtype)) * (valid / n)[:, None]).to(logits.dtype)
+
+
+_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, with_grad):
         n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
+        step = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         grad_h = torch.empty_like(h) if with_grad else None
         grad_w = grad_b = None
         for i in range(0, h.shape[0], chunk):
             hc, yc = h[i:i + chunk], labels[i:i + chunk]
-            logits = F.linear(hc, weight, bias)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (c, V): only a chunk in fp32
+            logits = F.linear(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
             valid = yc != IGNORE_INDEX
-            target = yc.clamp(min=0)
-            lse = logits.logsumexp(-1)
-            loss += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            if with_grad:  # d mean-loss / d logits = (softmax - onehot) / n on labelled rows
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(len(yc), device=g.device), target] -= 1
-                g = g.mul_((valid.to(g.dtype) / n)[:, None]).to(hc.dtype if not torch.is_autocast_enabled(hc.device.type)
-                                                    else torch.get_autocast_dtype(hc.device.type))
+            chunk_loss, g = step(logits, yc.clamp(min=0), valid.to(loss.dtype), n, with_grad)
+            loss += chunk_loss
+            if with_grad:
                 grad_h[i:i + chunk] = g @ weight.to(g.dtype)
                 gw, gb = g.t() @ hc.to(g.dtype), g.sum(0)
                 acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32

@@ -446,7 +446,9 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
             if os.path.exists(os.path.join(resume_state["dir"], "log.jsonl")) else []
         with open(log_file, "w") as f:
             f.writelines(keep)
-    tokenizer_file = meta["tokenizer"] if os.path.isfile(str(meta["tokenizer"])) else None
+    # the run directory carries its tokenizer: the checkpoint's own, else the file the data was prepared with
+    tokenizer_file = next((f for f in (source and os.path.join(source, "tokenizer.json"), meta["tokenizer"])
+                           if f and os.path.isfile(f)), None)
 
     def log(record):
         if master:
