@@ -306,14 +306,16 @@ class ModernBERTConfig:
 
 def _chunk_loss_and_grad(logits, target, valid, n, with_grad):
     """A chunk's summed loss and d mean-loss / d logits = (softmax - onehot) * valid / n, in the logits' dtype.
-    The math is fp32 (at least); on CUDA this is compiled into one fused pass over the (c, V) chunk."""
+    The math is fp32 (at least) and in place (fp32 logits are overwritten); on CUDA it is compiled into one
+    fused pass over the (c, V) chunk."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = z.logsumexp(-1)
     loss = ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
     if not with_grad:
         return loss, None
-    onehot = torch.arange(z.shape[1], device=z.device) == target[:, None]
-    return loss, (((z - lse[:, None]).exp() - onehot.to(z.dtype)) * (valid / n)[:, None]).to(logits.dtype)
+    g = z.sub_(lse[:, None]).exp_()  # softmax, written over the logits
+    g.scatter_add_(1, target[:, None], -torch.ones_like(lse[:, None]))
+    return loss, g.mul_((valid / n)[:, None]).to(logits.dtype)
 
 
 _chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
