@@ -489,16 +489,16 @@ def train(cfg, init_run, device, rank, world, ddp, master, print0):
         return data.document_ids(x, meta["sep_id"]).to(device) if cfg.separate_documents else None
 
     # --- the loop ---
-    model.train()
     def next_batch():
         """Ids go to the device from pinned memory, so the copy overlaps the GPU's work; labels stay on the
         host, where the model finds the positions to predict without a device sync."""
         x, y = loader.next()
         return (x.pin_memory().to(device, non_blocking=True), y) if device.type == "cuda" else (x, y)
 
+    model.train()
     loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
     x, y = next_batch()
-    params = [p for p in raw_model.parameters()]
+    params = list(raw_model.parameters())
     stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
     while step < stop:
         t0 = time.time()
