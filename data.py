@@ -370,7 +370,9 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
             per = {n: {"tokens": int(lens[d].sum()), "documents": len(d)} for n, lens, d in zip(names, lengths, chosen)}
             splits[split] = {"tokens": sum(v["tokens"] for v in per.values()), "documents": len(doc), "per_source": per}
 
-        meta = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": str(Path(tokenizer_spec).resolve()) if Path(tokenizer_spec).is_file() else tokenizer.spec,
+        # a tokenizer file is recorded by absolute path, so a run started from another directory still finds it
+        spec = str(Path(tokenizer_spec).resolve()) if Path(tokenizer_spec).is_file() else tokenizer.spec
+        meta = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
                 "tokenizer_fingerprint": tokenizer.fingerprint, "cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id,
                 "pad_id": tokenizer.pad_id, "mask_id": tokenizer.mask_id, "special_ids": tokenizer.special_ids,
                 "field": field, "seed": seed, "val_fraction": val_fraction, "mix": mix, "splits": splits,

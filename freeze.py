@@ -35,6 +35,8 @@ def frozen_names(model, layers) -> set:
 
 def zero_frozen_grads(model, names) -> None:
     """Called after each backward pass (after the DDP all-reduce): frozen blocks get no gradient."""
+    if not names:
+        return
     for name, p in model.named_parameters():
         if name in names and p.grad is not None:
             p.grad.zero_()

@@ -329,6 +329,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         grad_h = torch.empty_like(h) if with_grad else None
         grad_w = grad_b = None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
         for i in range(0, h.shape[0], chunk):
             hc, yc = h[i:i + chunk], labels[i:i + chunk]
             logits = F.linear(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
@@ -338,7 +339,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if with_grad:
                 grad_h[i:i + chunk] = g @ weight.to(g.dtype)
                 gw, gb = g.t() @ hc.to(g.dtype), g.sum(0)
-                acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
                 grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
                 grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
         if with_grad:
