@@ -1,8 +1,10 @@
-"""Shared test helpers: the repository root on sys.path, and where the real data lives."""
+"""Shared test helpers: the repository root on sys.path, where the real data lives, and the few objects
+every test file builds: a tiny model, the torch.optim.AdamW oracle, and a prepared byte-level corpus."""
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -12,9 +14,37 @@ SHARED = ROOT.parent / "shared"
 SHARED_DATA = SHARED / "data"
 MODERNBERT_TOKENIZER = SHARED / "tokenizers" / "modernbert" / "tokenizer.json"
 
+# The byte tokenizer's special ids ([CLS] [SEP] [PAD] [MASK] follow the 256 bytes), vocab padded to 320.
+BYTE_IDS = dict(vocab_size=320, cls_token_id=256, sep_token_id=257, pad_token_id=258, mask_token_id=259)
+
 
 def need(path: Path) -> Path:
     """Return `path`, or skip the test with a reason that names the missing file."""
     if not path.exists():
         pytest.skip(f"needs {path} (real data lives in ../shared beside the checkout; absent here)")
     return path
+
+
+def tiny_model(seed=0, **config):
+    """A random `tiny` ModernBERT (4 blocks, 128 wide) over the byte tokenizer's ids, seeded."""
+    from model import ModernBERT, ModernBERTConfig
+    torch.manual_seed(seed)
+    return ModernBERT(ModernBERTConfig.from_preset("tiny", **{**BYTE_IDS, **config}))
+
+
+def torch_adamw_oracle(model, peak_lr, weight_decay, betas=(0.9, 0.98), eps=1e-6):
+    """The oracle for train.AdamW: torch.optim.AdamW whose coupled decay lr * wd / peak equals our decoupled
+    (lr / peak) * wd, with our two parameter groups (matrices decay, ndim <= 1 does not)."""
+    groups = model.param_groups()
+    return torch.optim.AdamW([{"params": [p for _, p in groups["decay"]], "weight_decay": weight_decay / peak_lr},
+                              {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0}],
+                             lr=peak_lr, betas=betas, eps=eps)
+
+
+@pytest.fixture(scope="session")
+def demo_corpus(tmp_path_factory):
+    """The embedded demo corpus (stdlib docstrings, byte tokenizer), prepared once per test session."""
+    import data
+    out = tmp_path_factory.mktemp("data") / "demo"
+    data.prepare_demo(str(out))
+    return str(out)
