@@ -1,13 +1,15 @@
 """ModernBERT from scratch, numerically identical to Hugging Face `ModernBertForMaskedLM`.
 
-Read top to bottom: attention backends, rotary embedding, the block (attention + GeGLU MLP), the
-config, then the model with its checkpoint I/O, optimizer groups and FLOP count. Parameter names are
-exactly Hugging Face's, so a checkpoint is a plain state dict (SPEC §1).
+Read top to bottom: the config and its size presets, rotary embedding, attention, MLP, the block, then
+the model with its checkpoint I/O, optimizer groups and FLOP count. Below the model: the attention
+backends (flash-attn, FlexAttention, SDPA) behind one small interface, and the fused linear
+cross-entropy. Parameter names are exactly Hugging Face's, so a checkpoint is a plain state dict (SPEC §1).
 
 The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
 changes only which keys each query may see. Global layers see every key (j <= i when causal); local
 layers see |i - j| <= 64 (i - 64 <= j <= i when causal).
 """
+import dataclasses
 import functools
 import json
 import math
@@ -30,123 +32,147 @@ except ImportError:
 IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and transformers
 
 # -----------------------------------------------------------------------------
-# Attention: one mechanism, three backends. `Masks` is built once per forward and shared by all
-# layers; each layer asks it for the global or the local (sliding-window) pattern.
+# Configuration. Field names follow Hugging Face's config.json.
 
-
-def pick_backend(device: torch.device, requested: str = "auto") -> str:
-    if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
-        raise ValueError("attention backend 'flash' needs flash-attn installed and a CUDA device")
-    if requested == "flex" and flex_attention is None:
-        raise ValueError("attention backend 'flex' needs PyTorch >= 2.5 (torch.nn.attention.flex_attention)")
-    if requested != "auto":
-        return requested
-    if device.type == "cuda" and flash_attn_varlen_func is not None:
-        return "flash"
-    if device.type == "cuda" and flex_attention is not None:
-        return "flex"
-    return "sdpa"
-
-
-BACKEND_NAMES = {
-    "flash": "flash-attn varlen (unpadded: padding tokens are never computed)",
-    "flex": "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)",
-    "sdpa": "PyTorch scaled_dot_product_attention with dense masks (flash-attn and FlexAttention are used on CUDA)",
+PRESETS = {
+    # For CPU tests and the demo: keeps the global/local alternation (layers 0 and 3 global) and a
+    # local window (+-64) shorter than the demo's 256-token sequences.
+    "tiny": dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4),
+    # Small experiments (issue 12): enough blocks to compare low and high layers, head dim 64 as in base.
+    "mini": dict(hidden_size=256, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4),
+    "small": dict(hidden_size=384, intermediate_size=576, num_hidden_layers=12, num_attention_heads=6),
+    "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
+    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
 }
 
-if flex_attention is not None:
-    # Compiled: eager FlexAttention would materialise the full score matrix.
-    compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+# Bounds that reject a crafted or corrupt config.json before any allocation (ModernBERT-large is far inside).
+LIMITS = dict(vocab_size=2 ** 22, hidden_size=2 ** 15, intermediate_size=2 ** 17, num_hidden_layers=512,
+              num_attention_heads=1024, global_attn_every_n_layers=512, local_attention=2 ** 20,
+              max_position_embeddings=2 ** 20)
+MAX_PARAMS = 20e9  # 80 GB of fp32 weights
 
 
-def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
-    """keep(b, h, q, k) -> bool: may query q see key k. Written once for dense masks (b=None: every row) and
-    for FlexAttention (scalar indices)."""
+@dataclass
+class ModernBERTConfig:
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152  # GeGLU width; Wi outputs twice this
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    global_attn_every_n_layers: int = 3  # layer i is global iff i % 3 == 0
+    local_attention: int = 128  # total window: a local layer sees 64 tokens on each side
+    global_rope_theta: float = 160_000.0
+    local_rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    attention_dropout: float = 0.0  # 0.1 in the original pretraining; 0 here (our choice, SPEC §1)
+    initializer_range: float = 0.02
+    initializer_cutoff_factor: float = 2.0  # truncated normal at +-2 sigma
+    max_position_embeddings: int = 8192
+    pad_token_id: int = 50283
+    cls_token_id: int = 50281
+    sep_token_id: int = 50282
+    mask_token_id: int = 50284
+    layer_types: tuple = None  # derived from global_attn_every_n_layers unless a checkpoint lists them
 
-    def keep(b, h, q, k):
-        ok = torch.ones_like(q == k)
-        if causal:
-            ok = ok & (k <= q)
-        if local:
-            ok = ok & ((q - k).abs() <= window)
-        if token_mask is not None:
-            ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
-        if doc_ids is not None:
-            ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
-        # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
-        # into later layers through 0 * NaN); real tokens always see themselves anyway.
-        return ok | (q == k)
+    def __post_init__(self):
+        self.check()
+        if self.layer_types is None:
+            n = self.global_attn_every_n_layers
+            self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
+                                for i in range(self.num_hidden_layers)]
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_hidden_layers is "
+                             f"{self.num_hidden_layers}")
+        if not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types={self.layer_types}: expected full_attention or sliding_attention")
 
-    return keep
+    def check(self):
+        """ValueError naming the first field out of range: sizes before anything is allocated."""
+        def require(ok, name, expected):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected {expected}")
+        for name, top in LIMITS.items():
+            v = getattr(self, name)
+            require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top, name, f"an integer in [1, {top}]")
+        for name in ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "a non-negative id")
+        # only the padding id indexes the embedding; HF config.json files carry no mask_token_id (ours defaults)
+        require(self.pad_token_id < self.vocab_size, "pad_token_id", f"an id below vocab_size={self.vocab_size}")
+        for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
+                     "initializer_cutoff_factor"):
+            v = getattr(self, name)
+            require(isinstance(v, (int, float)) and 0 < v < math.inf, name, "a positive finite number")
+        require(isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1,
+                "attention_dropout", "a probability in [0, 1)")
+        d, h = self.hidden_size, self.num_attention_heads
+        require(d % h == 0 and (d // h) % 2 == 0, "hidden_size",
+                f"a multiple of num_attention_heads={h} with an even head dim (rotary halves)")
+        params = self.vocab_size * d + self.num_hidden_layers * (4 * d * d + 3 * d * self.intermediate_size)
+        if params > MAX_PARAMS:
+            raise ValueError(f"vocab_size, hidden_size, intermediate_size and num_hidden_layers give {params:.2e} "
+                             f"parameters: expected at most {MAX_PARAMS:.0e}")
 
+    @property
+    def window(self):  # reach on each side of a local layer: 64 for ModernBERT
+        return self.local_attention // 2
 
-def build_mask(backend, T, device, causal, window, local, token_mask=None, doc_ids=None):
-    """A dense (B or 1, 1, T, T) mask for SDPA (None where it needs none), or a FlexAttention block mask."""
-    keep = mask_rule(causal, window, local, token_mask, doc_ids)
-    per_row = token_mask if token_mask is not None else doc_ids
-    if backend == "sdpa":
-        if per_row is None and not local:
-            return None  # a global layer with no padding: SDPA's own (causal) kernel
-        i = torch.arange(T, device=device)
-        return keep(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
-    return create_block_mask(keep, None if per_row is None else per_row.shape[0], None, T, T, device=device,
-                             _compile=device.type == "cuda")
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
+    def replace(self, **overrides):
+        """A copy with some fields changed (e.g. attention_dropout for training), checked like any config."""
+        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown config fields {unknown}")
+        if {"num_hidden_layers", "global_attn_every_n_layers"} & set(overrides):
+            overrides.setdefault("layer_types", None)  # derived again from the new depth
+        return dataclasses.replace(self, **overrides)
 
-cached_mask = functools.lru_cache(maxsize=32)(build_mask)  # shape-only masks: training builds them once
+    # --- Hugging Face config.json, in both key spellings (transformers 4.x and 5.x) ---
+    def to_hf(self):
+        d = {k: v for k, v in asdict(self).items()}
+        d["layer_types"] = list(self.layer_types)
+        d.update(
+            model_type="modernbert", architectures=["ModernBertForMaskedLM"], hidden_activation="gelu",
+            classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False,
+            decoder_bias=True, tie_word_embeddings=True, bos_token_id=self.cls_token_id,
+            eos_token_id=self.sep_token_id, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}})
+        return d
 
-
-class Masks:
-    """Which keys each query may see, for one batch.
-
-    token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents
-    apart when given (None: attention crosses document boundaries, as in the paper)."""
-
-    def __init__(self, backend, B, T, device, causal, window, token_mask=None, doc_ids=None):
-        self.backend, self.causal, self.window = backend, causal, window
-        if backend == "flash":
-            # Unpadded layout: tokens of all sequences concatenated, sequences delimited by cu_seqlens.
-            seg = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
-            if doc_ids is not None:  # each document becomes its own varlen sequence
-                new_doc = torch.ones_like(seg)
-                new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-                starts = (new_doc & seg).flatten()[seg.flatten()].nonzero().squeeze(1)
-                lengths = torch.diff(starts, append=torch.tensor([int(seg.sum())], device=device))
-            else:
-                lengths = seg.sum(1)
-            self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-            self.max_seqlen = T if token_mask is None and doc_ids is None else int(lengths.max())
-            return
-        if backend not in ("sdpa", "flex"):
-            raise ValueError(f"unknown attention backend {backend!r}; expected auto, flash, flex or sdpa")
-        if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
-            self.masks = {local: cached_mask(backend, T, device, causal, window, local) for local in (False, True)}
-        else:
-            self.masks = {local: build_mask(backend, T, device, causal, window, local, token_mask, doc_ids)
-                          for local in (False, True)}
-
-    def attend(self, q, k, v, local):
-        """q, k, v: (B, T, H, D), or (N, H, D) unpadded for flash. Returns the same layout."""
-        scale = q.shape[-1] ** -0.5
-        if self.backend == "flash":
-            if q.dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError("flash-attn computes in bf16/fp16: run under torch.autocast, or use backend 'flex'/'sdpa'")
-            w = self.window if local else -1
-            return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen,
-                                          self.max_seqlen, softmax_scale=scale,
-                                          causal=self.causal, window_size=(w, 0 if self.causal and local else w))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if self.backend == "sdpa":
-            mask = self.masks[local]  # None: unmasked global layer, causal or not
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and self.causal,
-                                               scale=scale)
-        else:
-            y = compiled_flex_attention(q, k, v, block_mask=self.masks[local], scale=scale)
-        return y.transpose(1, 2)  # (B, T, H, D)
+    @classmethod
+    def from_hf(cls, d, source="config.json"):
+        """From a parsed config.json; every problem is a ValueError that names `source` and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        if d.get("model_type") != "modernbert":
+            raise ValueError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
+        fixed = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False,
+                     attention_bias=False, mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
+        for key, want in fixed.items():
+            if key in d and d[key] != want:
+                raise ValueError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        rope = d.get("rope_parameters") or {}
+        for kind, key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
+            if isinstance(rope, dict) and isinstance(rope.get(kind), dict):
+                if rope[kind].get("rope_type", "default") != "default":
+                    raise ValueError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
+                kw[key] = rope[kind].get("rope_theta")
+        try:
+            return cls(**kw)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: {e}") from None
 
 
 # -----------------------------------------------------------------------------
-# Rotary embedding, GPT-NeoX "rotate half" style over the whole head, computed in fp32 as HF does.
+# Rotary embedding, GPT-NeoX "rotate half" style over the whole head, computed in fp32 as HF does
+# (also under bf16 autocast: positions up to 8192 do not survive bf16's 8-bit mantissa).
 
 
 def rope_cos_sin(positions, head_dim, theta):
@@ -174,12 +200,12 @@ class Attention(nn.Module):
         self.Wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.dropout = cfg.attention_dropout  # on the output projection only (SPEC §1)
 
-    def forward(self, x, rope, masks):
+    def forward(self, x, rope, attn):
         qkv = self.Wqkv(x).unflatten(-1, (3, self.n_head, -1))  # (..., 3, H, D)
         q, k, v = qkv.unbind(-3)  # each (..., H, D)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = masks.attend(q, k, v, self.local).flatten(-2)  # (..., H*D)
+        y = attn.attend(q, k, v, self.local).flatten(-2)  # (..., H*D)
         return F.dropout(self.Wo(y), self.dropout, self.training)
 
 
@@ -207,155 +233,9 @@ class Block(nn.Module):
         self.mlp_norm = layer_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ropes, masks):
-        x = x + self.attn(self.attn_norm(x), ropes[self.local], masks)
+    def forward(self, x, ropes, attn):
+        x = x + self.attn(self.attn_norm(x), ropes[self.local], attn)
         return x + self.mlp(self.mlp_norm(x))
-
-
-# -----------------------------------------------------------------------------
-# Configuration. Field names follow Hugging Face's config.json.
-
-PRESETS = {
-    "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
-    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
-    # For CPU tests and the demo: keeps the global/local alternation (layers 0 and 3 global) and a
-    # local window (+-64) shorter than the demo's 256-token sequences.
-    "tiny": dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4),
-}
-
-
-@dataclass
-class ModernBERTConfig:
-    vocab_size: int = 50368
-    hidden_size: int = 768
-    intermediate_size: int = 1152  # GeGLU width; Wi outputs twice this
-    num_hidden_layers: int = 22
-    num_attention_heads: int = 12
-    global_attn_every_n_layers: int = 3  # layer i is global iff i % 3 == 0
-    local_attention: int = 128  # total window: a local layer sees 64 tokens on each side
-    global_rope_theta: float = 160_000.0
-    local_rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    attention_dropout: float = 0.0  # 0.1 in the original pretraining; 0 here (our choice, SPEC §1)
-    initializer_range: float = 0.02
-    initializer_cutoff_factor: float = 2.0  # truncated normal at +-2 sigma
-    max_position_embeddings: int = 8192
-    pad_token_id: int = 50283
-    cls_token_id: int = 50281
-    sep_token_id: int = 50282
-    mask_token_id: int = 50284
-    layer_types: tuple = None  # derived from global_attn_every_n_layers unless a checkpoint lists them
-
-    def __post_init__(self):
-        if self.layer_types is None:
-            n = self.global_attn_every_n_layers
-            self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
-                                for i in range(self.num_hidden_layers)]
-        self.layer_types = tuple(self.layer_types)
-        assert len(self.layer_types) == self.num_hidden_layers, "layer_types must list every layer"
-        assert set(self.layer_types) <= {"full_attention", "sliding_attention"}, self.layer_types
-        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size must split evenly into heads"
-
-    @property
-    def window(self):  # reach on each side of a local layer: 64 for ModernBERT
-        return self.local_attention // 2
-
-    @classmethod
-    def from_preset(cls, name, **overrides):
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    # --- Hugging Face config.json, in both key spellings (transformers 4.x and 5.x) ---
-    def to_hf(self):
-        d = {k: v for k, v in asdict(self).items()}
-        d["layer_types"] = list(self.layer_types)
-        d.update(
-            model_type="modernbert", architectures=["ModernBertForMaskedLM"], hidden_activation="gelu",
-            classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False,
-            decoder_bias=True, tie_word_embeddings=True, bos_token_id=self.cls_token_id,
-            eos_token_id=self.sep_token_id, rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
-                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}})
-        return d
-
-    @classmethod
-    def from_hf(cls, d, source="config.json"):
-        if d.get("model_type") != "modernbert":
-            raise ValueError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
-        fixed = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False,
-                     attention_bias=False, mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
-        for key, want in fixed.items():
-            if key in d and d[key] != want:
-                raise ValueError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        rope = d.get("rope_parameters") or {}
-        for kind, key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-            if rope.get(kind):
-                if rope[kind].get("rope_type", "default") != "default":
-                    raise ValueError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
-                kw[key] = rope[kind]["rope_theta"]
-        return cls(**kw)
-
-
-# -----------------------------------------------------------------------------
-# Loss: cross-entropy fused with the decoder, in row chunks, so that the (rows, vocab) logits never
-# exist at once in fp32. The loss is a scalar, so d loss / d logits is known in the forward: gradients
-# are formed chunk by chunk there and only scaled by the incoming gradient in backward.
-
-
-def _chunk_loss_and_grad(logits, target, valid, n, with_grad):
-    """A chunk's summed loss and d mean-loss / d logits = (softmax - onehot) * valid / n, in the logits' dtype.
-    The math is fp32 (at least) and in place (fp32 logits are overwritten); on CUDA it is compiled into one
-    fused pass over the (c, V) chunk."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    lse = z.logsumexp(-1)
-    loss = ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-    if not with_grad:
-        return loss, None
-    g = z.sub_(lse[:, None]).exp_()  # softmax, written over the logits
-    g.scatter_add_(1, target[:, None], -torch.ones_like(lse[:, None]))
-    return loss, g.mul_((valid / n)[:, None]).to(logits.dtype)
-
-
-_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk, with_grad):
-        n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
-        step = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
-        loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
-        grad_h = torch.empty_like(h) if with_grad else None
-        grad_w = grad_b = None
-        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
-        for i in range(0, h.shape[0], chunk):
-            hc, yc = h[i:i + chunk], labels[i:i + chunk]
-            logits = F.linear(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
-            valid = yc != IGNORE_INDEX
-            chunk_loss, g = step(logits, yc.clamp(min=0), valid.to(loss.dtype), n, with_grad)
-            loss += chunk_loss
-            if with_grad:
-                grad_h[i:i + chunk] = g @ weight.to(g.dtype)
-                gw, gb = g.t() @ hc.to(g.dtype), g.sum(0)
-                grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
-                grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
-        if with_grad:
-            ctx.dtypes = weight.dtype, bias.dtype
-            ctx.save_for_backward(grad_h, grad_w, grad_b)
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h * grad, (grad_w * grad).to(ctx.dtypes[0]), (grad_b * grad).to(ctx.dtypes[1]), None, None, None
-
-
-def linear_cross_entropy(h, weight, bias, labels, chunk=4096):
-    """Mean cross-entropy of `h @ weight.T + bias` against `labels` (rows labelled -100 ignored)."""
-    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, with_grad)
 
 
 # -----------------------------------------------------------------------------
@@ -397,43 +277,26 @@ class ModernBERT(nn.Module):
 
     # --- forward ---
     def attention_backend(self, device=None):
+        """The backend name this model runs with on `device` (see BACKEND_NAMES)."""
         device = device or self.decoder.weight.device
         return pick_backend(torch.device(device), self.backend)
 
     def encode(self, input_ids, attention_mask=None, causal=False, doc_ids=None, all_layers=False):
         """Final hidden states (B, T, d) after final_norm; with all_layers, the L block outputs instead."""
         B, T = input_ids.shape
-        backend = self.attention_backend(input_ids.device)
         token_mask = None if attention_mask is None else attention_mask.bool()
-        x = self.model.embeddings.norm(self.model.embeddings.tok_embeddings(input_ids))  # (B, T, d)
-        positions = torch.arange(T, device=input_ids.device)
-        if backend == "flash":  # unpad once: every later op works on real tokens only, (N, d)
-            keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)
-            x, positions = x.flatten(0, 1), positions.repeat(B)  # (B*T, d), (B*T,)
-            if keep is not None:
-                x, positions = x[keep], positions[keep]
-        masks = Masks(backend, B, T, input_ids.device, causal, self.config.window, token_mask, doc_ids)
+        attn = BACKENDS[self.attention_backend(input_ids.device)](
+            B, T, input_ids.device, causal, self.config.window, token_mask, doc_ids)
+        x = attn.unpad(self.model.embeddings.norm(self.model.embeddings.tok_embeddings(input_ids)))  # (B, T, d)
         D = self.config.hidden_size // self.config.num_attention_heads
-        ropes = {False: rope_cos_sin(positions, D, self.config.global_rope_theta),
-                 True: rope_cos_sin(positions, D, self.config.local_rope_theta)}
+        ropes = {False: rope_cos_sin(attn.positions, D, self.config.global_rope_theta),
+                 True: rope_cos_sin(attn.positions, D, self.config.local_rope_theta)}
         outputs = []
         for block in self.model.layers:
-            x = block(x, ropes, masks)
+            x = block(x, ropes, attn)
             if all_layers:
-                outputs.append(x)
-        if not all_layers:
-            outputs = [self.model.final_norm(x)]
-        if backend == "flash":  # back to (B, T, d); padding rows are zeros
-            outputs = [self._repad(o, B, T, keep) for o in outputs]
-        return outputs if all_layers else outputs[0]
-
-    @staticmethod
-    def _repad(x, B, T, keep):
-        if keep is None:
-            return x.view(B, T, -1)
-        out = x.new_zeros(B * T, x.shape[-1])
-        out[keep] = x
-        return out.view(B, T, -1)
+                outputs.append(attn.repad(x))
+        return outputs if all_layers else attn.repad(self.model.final_norm(x))
 
     def hidden_states(self, input_ids, attention_mask=None, causal=False):
         """The L block outputs, each (B, T, d), before final_norm: one per layer, for the CKA analysis."""
@@ -499,12 +362,11 @@ class ModernBERT(nn.Module):
 
     # --- checkpoints: a Hugging Face directory (config.json + model.safetensors) ---
     @classmethod
-    def from_pretrained(cls, path_or_id, backend="auto"):
+    def from_pretrained(cls, path_or_id, backend="auto", **config_overrides):
+        """Load a Hugging Face directory or hub id; config_overrides set config fields (e.g. attention_dropout)."""
         path = resolve_checkpoint(path_or_id)
-        config_file = os.path.join(path, "config.json")
-        with open(config_file) as f:
-            config = ModernBERTConfig.from_hf(json.load(f), config_file)
-        model = cls(config, backend)
+        config = read_config(os.path.join(path, "config.json"))
+        model = cls(config.replace(**config_overrides), backend)
         model.load_weights(os.path.join(path, "model.safetensors"))
         return model
 
@@ -512,7 +374,10 @@ class ModernBERT(nn.Module):
         from safetensors.torch import load_file
         if not os.path.exists(weights_file):
             raise FileNotFoundError(f"{weights_file}: no such file (a checkpoint needs model.safetensors)")
-        state = load_file(weights_file)
+        try:
+            state = load_file(weights_file)
+        except Exception as e:  # safetensors raises its own error type on truncated or garbage files
+            raise ValueError(f"{weights_file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
         emb = state.get("model.embeddings.tok_embeddings.weight")
         if "decoder.weight" in state and emb is not None and not torch.equal(state["decoder.weight"], emb):
             raise ValueError(f"{weights_file}: decoder.weight differs from the embeddings; only tied decoders are supported")
@@ -539,6 +404,16 @@ class ModernBERT(nn.Module):
         write_json(os.path.join(path, "config.json"), self.config.to_hf())
 
 
+def read_config(config_file):
+    """A checkpoint's config.json as a ModernBERTConfig; ValueError naming the file if it is not one."""
+    try:
+        with open(config_file) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    return ModernBERTConfig.from_hf(d, config_file)
+
+
 def write_json(path, obj):
     """Write JSON atomically: a kill mid-write leaves the previous file intact."""
     with open(path + ".tmp", "w") as f:
@@ -561,3 +436,226 @@ def resolve_checkpoint(path_or_id):
         reason = (str(e).splitlines() or [""])[0][:200]
         raise RuntimeError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {reason}); "
                            f"download it where the network allows and pass the local directory") from e
+
+
+# -----------------------------------------------------------------------------
+# Attention backends. One is built per forward from the batch's layout and shared by every layer:
+#   positions  (P,) the position of each row the blocks see, for RoPE
+#   unpad(x)   (B, T, d) -> the layout the blocks run in
+#   attend(q, k, v, local)  q, k, v (..., H, D) in that layout -> (..., H, D)
+#   repad(x)   the blocks' layout -> (B, T, d), padding rows zero
+# token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart
+# when given (None: attention crosses document boundaries, as in the paper).
+
+
+def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
+    """keep(b, h, q, k) -> bool: may query q see key k. Written once for dense masks (b=None: every row) and
+    for FlexAttention (scalar indices)."""
+
+    def keep(b, h, q, k):
+        ok = torch.ones_like(q == k)
+        if causal:
+            ok = ok & (k <= q)
+        if local:
+            ok = ok & ((q - k).abs() <= window)
+        if token_mask is not None:
+            ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
+        if doc_ids is not None:
+            ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
+        # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
+        # into later layers through 0 * NaN); real tokens always see themselves anyway.
+        return ok | (q == k)
+
+    return keep
+
+
+class SDPA:
+    """PyTorch scaled_dot_product_attention with dense boolean masks: runs anywhere, the reference."""
+    description = "PyTorch scaled_dot_product_attention with dense masks (flash-attn and FlexAttention are used on CUDA)"
+
+    @staticmethod
+    def available(device):
+        return True
+
+    auto = available  # whether "auto" may pick it on this device
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
+        if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
+            self.masks = {local: cached_mask(type(self), T, device, causal, window, local) for local in (False, True)}
+        else:
+            self.masks = {local: self.build_mask(T, device, causal, window, local, token_mask, doc_ids)
+                          for local in (False, True)}
+
+    @staticmethod
+    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+        """(B or 1, 1, T, T) bool, or None where SDPA's own (causal) kernel needs no mask."""
+        if token_mask is None and doc_ids is None and not local:
+            return None
+        i = torch.arange(T, device=device)
+        return mask_rule(causal, window, local, token_mask, doc_ids)(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
+
+    def unpad(self, x):
+        return x
+
+    def repad(self, x):
+        return x
+
+    def attend(self, q, k, v, local):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        mask = self.masks[local]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and self.causal,
+                                           scale=q.shape[-1] ** -0.5)
+        return y.transpose(1, 2)  # (B, T, H, D)
+
+
+class Flex(SDPA):
+    """FlexAttention with block-sparse masks: skips the blocks outside the sliding window. The masks are
+    built from index arithmetic only (no host sync), compiled on CUDA."""
+    description = "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)"
+
+    @staticmethod
+    def available(device):
+        return flex_attention is not None
+
+    @staticmethod
+    def auto(device):  # on a CPU it compiles slowly and runs no faster than SDPA
+        return device.type == "cuda" and Flex.available(device)
+
+    @staticmethod
+    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+        per_row = token_mask if token_mask is not None else doc_ids
+        return create_block_mask(mask_rule(causal, window, local, token_mask, doc_ids),
+                                 None if per_row is None else per_row.shape[0], None, T, T, device=device,
+                                 _compile=device.type == "cuda")
+
+    def attend(self, q, k, v, local):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        return compiled_flex_attention(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
+
+
+# shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)
+cached_mask = functools.lru_cache(maxsize=32)(lambda kind, *args: kind.build_mask(*args))
+if flex_attention is not None:
+    # Compiled: eager FlexAttention would materialise the full score matrix.
+    compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+class Flash:
+    """flash-attn's varlen kernel on the unpadded layout: the real tokens of all sequences concatenated,
+    (N, d), sequences delimited by cu_seqlens; padding is never computed. Packed batches without padding
+    or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids one more."""
+    description = "flash-attn varlen (unpadded: padding tokens are never computed)"
+
+    @staticmethod
+    def available(device):
+        return flash_attn_varlen_func is not None and device.type == "cuda"
+
+    auto = available
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        self.shape, self.causal, self.window = (B, T), causal, window
+        self.keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)  # (N,)
+        self.positions = self.unpad(torch.arange(T, device=device).expand(B, T))
+        if doc_ids is None:
+            lengths = torch.full((B,), T, device=device) if token_mask is None else token_mask.sum(1)
+        else:  # each document is its own varlen sequence
+            new_doc = torch.ones(B, T, dtype=torch.bool, device=device)
+            new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            starts = self.unpad(new_doc).nonzero().squeeze(1)
+            lengths = torch.diff(starts, append=starts.new_tensor([self.positions.shape[0]]))
+        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        self.max_seqlen = T  # an upper bound is enough (it sizes the kernel's grid); the exact one costs a sync
+
+    def unpad(self, x):
+        x = x.flatten(0, 1)  # (B*T, ...)
+        return x if self.keep is None else x[self.keep]
+
+    def repad(self, x):
+        B, T = self.shape
+        if self.keep is None:
+            return x.view(B, T, -1)
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.keep, x).view(B, T, -1)
+
+    def attend(self, q, k, v, local):
+        if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("flash-attn computes in bf16/fp16: run under torch.autocast, or use backend 'flex'/'sdpa'")
+        w = self.window if local else -1  # keys i - w ..= i + w; -1: unbounded (flash-attn's convention)
+        return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+                                      softmax_scale=q.shape[-1] ** -0.5, causal=self.causal,
+                                      window_size=(w, 0 if self.causal and local else w))
+
+
+BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA}  # "auto" picks the first available, in this order
+BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
+
+
+def pick_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested == "auto":
+        return next(name for name, kind in BACKENDS.items() if kind.auto(device))
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; expected auto, {', '.join(BACKENDS)}")
+    if not BACKENDS[requested].available(device):
+        raise ValueError(f"attention backend {requested!r} is not available on {device.type}: "
+                         f"flash needs flash-attn and CUDA, flex needs PyTorch >= 2.5")
+    return requested
+
+
+# -----------------------------------------------------------------------------
+# Fused linear cross-entropy: the decoder and the loss in row chunks, so that the (rows, vocab) logits
+# never exist at once in fp32. The loss is a scalar, so d loss / d logits is known in the forward:
+# gradients are formed chunk by chunk there and only scaled by the incoming gradient in backward.
+
+
+def linear_cross_entropy(h, weight, bias, labels, chunk=4096):
+    """Equals F.cross_entropy(h @ weight.T + bias, labels, ignore_index=-100), value and gradients."""
+    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, with_grad)
+
+
+def _chunk_loss_and_grad(logits, target, with_grad):
+    """A chunk's per-row loss and d loss / d logits = softmax - onehot (unscaled), in the logits' dtype.
+    The math is fp32 (at least): one log-softmax pass, then its exp in place; on CUDA it is compiled
+    into one fused pass over the (c, V) chunk."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    loss = -logp.gather(1, target[:, None]).squeeze(1)
+    if not with_grad:
+        return loss, None
+    g = logp.exp_()  # softmax, written over the log-probabilities
+    g.scatter_add_(1, target[:, None], -torch.ones_like(loss[:, None]))
+    return loss, g.to(logits.dtype)
+
+
+_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk, with_grad):
+        n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
+        step = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
+        loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
+        grad_h = torch.empty_like(h) if with_grad else None
+        grad_w = grad_b = None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
+        for i in range(0, h.shape[0], chunk):
+            hc, yc = h[i:i + chunk], labels[i:i + chunk]
+            logits = F.linear(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
+            valid = (yc != IGNORE_INDEX)[:, None]  # (c, 1)
+            chunk_loss, g = step(logits, yc.clamp(min=0), with_grad)
+            loss += (chunk_loss * valid.squeeze(1)).sum()
+            if with_grad:  # zero the ignored rows on the (c, d) side, not in the (c, V) gradient: a pass fewer
+                hc = hc.to(g.dtype) * valid
+                grad_h[i:i + chunk] = (g @ weight.to(g.dtype)) * valid
+                gw, gb = g.t() @ hc, g.t() @ valid.to(g.dtype).squeeze(1)
+                grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
+                grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
+        if with_grad:  # the mean's 1/n applied once, in fp32 or wider (1/n is inexact in bf16)
+            ctx.dtypes = weight.dtype, bias.dtype
+            ctx.save_for_backward(grad_h.div_(n), grad_w.div_(n), grad_b.div_(n))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return grad_h * grad, (grad_w * grad).to(ctx.dtypes[0]), (grad_b * grad).to(ctx.dtypes[1]), None, None, None

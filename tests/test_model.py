@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import IGNORE_INDEX, Masks, ModernBERT, ModernBERTConfig, linear_cross_entropy
+from model import IGNORE_INDEX, SDPA, ModernBERT, ModernBERTConfig, linear_cross_entropy
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,7 +171,7 @@ def test_local_window_reaches_exactly_64_tokens_back(causal):
     assert model.config.window == 64
     T, i = 260, 150
     x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    masks = Masks("sdpa", 1, T, x.device, causal, model.config.window)
+    masks = SDPA(1, T, x.device, causal, model.config.window)
     ropes = {loc: model_rope(model, T, loc) for loc in (False, True)}
 
     def moved(j):  # how much the attention output at i changes when input j is perturbed, in one local layer
@@ -216,6 +216,67 @@ def test_preset_parameter_counts(name, count):
     with torch.device("meta"):
         model = ModernBERT(ModernBERTConfig.from_preset(name))
     assert model.num_params() == count
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "small", "base"])
+def test_preset_sizes_match_transformers(name):
+    """Our presets against transformers' own ModernBertForMaskedLM built from the same sizes (the oracle)."""
+    from model import PRESETS
+    with torch.device("meta"):
+        ours = ModernBERT(ModernBERTConfig.from_preset(name))
+        hf = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**PRESETS[name]))
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert ours.config.layer_types == tuple(hf.config.layer_types)  # global every 3 layers, as in base
+    assert ours.config.hidden_size // ours.config.num_attention_heads == 64 or name == "tiny"
+
+
+CORRUPT_CONFIGS = [  # (change to a valid config.json, the field the error must name)
+    (dict(vocab_size=4_000_000_000), "vocab_size"),
+    (dict(vocab_size=4e9), "vocab_size"),
+    (dict(hidden_size=100), "hidden_size"),  # 4 heads of 25: not even, and rotary needs halves
+    (dict(num_hidden_layers=0), "num_hidden_layers"),
+    (dict(num_attention_heads=-4), "num_attention_heads"),
+    (dict(max_position_embeddings=-1), "max_position_embeddings"),
+    (dict(intermediate_size="96"), "intermediate_size"),
+    (dict(hidden_size=2 ** 14, num_attention_heads=2 ** 8, vocab_size=2 ** 22), "parameters"),
+    (dict(pad_token_id=300), "pad_token_id"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(layer_types=["full_attention"]), "layer_types"),
+]
+
+
+@pytest.mark.parametrize("change, field", CORRUPT_CONFIGS)
+def test_absurd_config_is_rejected_before_allocation(tmp_path, change, field):
+    hf_checkpoint(tmp_path, SHAPES[0])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=f"config.json.*{field}"):
+        ModernBERT.from_pretrained(str(tmp_path))
+
+
+def test_corrupt_files_name_the_file(tmp_path):
+    hf_checkpoint(tmp_path, SHAPES[0])
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    for broken in (weights[: len(weights) // 2], b"garbage" * 10, b""):
+        (tmp_path / "model.safetensors").write_bytes(broken)
+        with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+            ModernBERT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "modernbert", ')
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        ModernBERT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object"):
+        ModernBERT.from_pretrained(str(tmp_path))
+
+
+def test_from_pretrained_overrides_set_config_fields(tmp_path):
+    hf_checkpoint(tmp_path, SHAPES[0])
+    model = ModernBERT.from_pretrained(str(tmp_path), "sdpa", attention_dropout=0.1)
+    assert model.config.attention_dropout == 0.1 and model.model.layers[1].attn.dropout == 0.1
+    with pytest.raises(ValueError, match="unknown config fields.*dropout"):
+        ModernBERT.from_pretrained(str(tmp_path), dropout=0.1)
+    with pytest.raises(ValueError, match="attention_dropout"):
+        ModernBERT.from_pretrained(str(tmp_path), attention_dropout=1.5)
 
 
 def test_megatron_init():
@@ -342,7 +403,8 @@ def test_compiled_loss_chunk_matches_eager():
         z = torch.randn(rows, 1000, generator=g)
         target = torch.randint(0, 1000, (rows,), generator=g)
         valid = (torch.rand(rows, generator=g) > 0.3).float()
-        eager = _chunk_loss_and_grad(z.clone(), target, valid, valid.sum(), True)  # fp32 logits are overwritten
-        fused = compiled(z.clone(), target, valid, valid.sum(), True)
+        eager = _chunk_loss_and_grad(z.clone(), target, True)
+        fused = compiled(z.clone(), target, True)
+        eager, fused = ((loss @ valid, grad) for loss, grad in (eager, fused))  # the summed loss of the valid rows
         assert abs(eager[0].item() - fused[0].item()) <= 1e-5 * abs(eager[0].item())
         assert (eager[1] - fused[1]).abs().max().item() <= 1e-7
