@@ -10,6 +10,7 @@ prepare (text files -> train.bin / val.bin / meta.json), batches (seeded windows
 """
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -49,20 +50,46 @@ def byte_to_unicode():
     return {b: chr(c) for b, c in zip(printable + others, printable + [256 + i for i in range(len(others))])}
 
 
+SPECIALS = ("[CLS]", "[SEP]", "[PAD]", "[MASK]")  # the tokens the MLM recipe needs, named as in ModernBERT
+
+
+def special_token(content, id_):
+    return {"id": id_, "content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": True}
+
+
+def template_processing(ids):
+    """ModernBERT's post-processor: `[CLS] $A [SEP]` and `[CLS] $A [SEP] $B [SEP]`; ids maps [CLS] and [SEP] to ids."""
+    special = [{"SpecialToken": {"id": t, "type_id": 0}} for t in ("[CLS]", "[SEP]")]
+    a, b = ({"Sequence": {"id": s, "type_id": 0}} for s in "AB")
+    return {"type": "TemplateProcessing", "single": [special[0], a, special[1]],
+            "pair": [special[0], a, special[1], b, special[1]],
+            "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]} for t in ("[CLS]", "[SEP]")}}
+
+
+def byte_level_config(vocab, merges, added, normalizer):
+    """A complete tokenizer.json for a byte-level BPE, as Hugging Face `tokenizers` writes and loads it."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    ids = {t["content"]: t["id"] for t in added}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+            "pre_tokenizer": byte_level, "post_processor": template_processing(ids), "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": merges}}
+
+
 def bytes_config():
-    """The built-in byte tokenizer, written as a tokenizer.json so that it runs through the same class."""
+    """The built-in byte tokenizer: the 256 bytes with no merges, then the four special tokens."""
     b2u = byte_to_unicode()
-    added = [{"id": 256 + i, "content": name, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
-              "single_word": False} for i, name in enumerate(["[CLS]", "[SEP]", "[PAD]", "[MASK]"])]
-    return {"model": {"type": "BPE", "vocab": {b2u[b]: b for b in range(256)}, "merges": []}, "added_tokens": added,
-            "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}}
+    return byte_level_config({b2u[b]: b for b in range(256)}, [],
+                             [special_token(name, 256 + i) for i, name in enumerate(SPECIALS)], None)
 
 
 class Tokenizer:
     """A byte-level BPE tokenizer.json run by tiktoken, splitting added tokens the way Hugging Face does."""
 
     def __init__(self, config, spec):
-        self.spec = spec
+        self.spec, self.config = spec, config
         model, pre = config.get("model") or {}, config.get("pre_tokenizer") or {}
         def require(ok, field, expected):
             if not ok:
@@ -174,6 +201,23 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode([int(i) for i in ids], errors="replace")
+
+    @functools.cached_property
+    def hf_files(self):
+        """{file name: text} of a Hugging Face tokenizer directory; built once, since every checkpoint writes it."""
+        config = self.config
+        if not config.get("post_processor"):  # without it AutoTokenizer would not add [CLS] ... [SEP]
+            config = config | {"post_processor": template_processing({"[CLS]": self.cls_id, "[SEP]": self.sep_id})}
+        tokens = {f"{name}_token": f"[{name.upper()}]" for name in ("cls", "sep", "pad", "mask")}
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **tokens}
+        return {name: json.dumps(content, ensure_ascii=False, indent=indent) + "\n" for name, content, indent in [
+            ("tokenizer.json", config, None), ("tokenizer_config.json", settings, 2),
+            ("special_tokens_map.json", tokens, 2)]}
+
+    def save_pretrained(self, out_dir):
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json, which AutoTokenizer loads."""
+        for name, text in self.hf_files.items():
+            Path(out_dir, name).write_text(text, encoding="utf-8")
 
 
 def load_tokenizer(spec):

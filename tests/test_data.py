@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import data
-from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
+from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 
 CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]
 TRICKY = ([" " * n + "x" for n in range(1, 31)] + ["a" + " " * n + "b" for n in range(1, 31)] + [
@@ -112,6 +112,50 @@ def test_fingerprint(trained, tmp_path):
     config["added_tokens"][-1]["content"] = "<other>"
     (tmp_path / "other.json").write_text(json.dumps(config))
     assert data.load_tokenizer(tmp_path / "other.json").fingerprint != data.load_tokenizer(path).fingerprint
+
+
+def test_byte_tokenizer_json_is_loaded_by_hf_tokenizers(tmp_path):
+    from tokenizers import Tokenizer
+    ours = data.load_tokenizer("bytes")
+    ours.save_pretrained(tmp_path)
+    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = TRICKY + [words(random.Random(6), 300), "é[MASK]a [PAD][SEP]x[CLS]", "\x00\x7f\u0100 \U0010ffff"]
+    assert [ours.encode(t) for t in texts] == hf_ids(hf, texts)
+    assert [e.ids for e in hf.encode_batch(texts)] == [[256, *ours.encode(t), 257] for t in texts]
+    assert [hf.decode(ours.encode(t), skip_special_tokens=False) for t in texts] == [ours.decode(ours.encode(t))
+                                                                                     for t in texts]
+    assert hf.get_vocab_size() == ours.vocab_size
+
+
+def test_modernbert_save_pretrained_round_trip(modernbert, tmp_path):
+    ours, _ = modernbert
+    ours.save_pretrained(tmp_path)
+    again = data.load_tokenizer(tmp_path / "tokenizer.json")
+    assert again.fingerprint == ours.fingerprint
+    assert [again.encode(t) for t in TRICKY] == [ours.encode(t) for t in TRICKY]
+
+
+@pytest.mark.parametrize("which", ["bytes", "trained"])
+def test_run_directory_loads_in_transformers(which, trained, tmp_path):
+    """AutoTokenizer and pipeline("fill-mask") on a directory of save_pretrained + a tiny random model, offline."""
+    import transformers
+    ours = data.load_tokenizer(trained[0] if which == "trained" else "bytes")
+    ours.save_pretrained(tmp_path)
+    model = tiny_model(vocab_size=max(320, ours.vocab_size), cls_token_id=ours.cls_id, sep_token_id=ours.sep_id,
+                       pad_token_id=ours.pad_id, mask_token_id=ours.mask_id)
+    model.save_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = TRICKY[::3] + [words(random.Random(7), 100)]
+    assert [hf(t)["input_ids"] for t in texts] == [[ours.cls_id, *ours.encode(t), ours.sep_id] for t in texts]
+    assert (hf.mask_token_id, hf.cls_token_id, hf.sep_token_id, hf.pad_token_id) == (
+        ours.mask_id, ours.cls_id, ours.sep_id, ours.pad_id)
+    text = "the zu [MASK] ka."
+    ids = torch.tensor([[ours.cls_id, *ours.encode(text), ours.sep_id]])
+    with torch.no_grad():
+        logits = model.eval()(ids)[0][0, ids[0].tolist().index(ours.mask_id)]
+    filled = transformers.pipeline("fill-mask", model=str(tmp_path), top_k=5)(text)
+    assert [f["token"] for f in filled] == logits.topk(5).indices.tolist()
+    assert np.allclose([f["score"] for f in filled], logits.softmax(-1).topk(5).values.numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize("edit, words_", [
