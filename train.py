@@ -1,17 +1,22 @@
 """Continued pretraining of ModernBERT: MLM, the CLM detour and the MLM decay, on 1 to N processes.
 
-    python train.py                        # the embedded demo: tiny model on data/demo, minutes on a CPU
-    torchrun --nproc_per_node=4 train.py --phase=clm --init_from=answerdotai/ModernBERT-base --data=data/bio --out_dir=out/clm
-    torchrun --nproc_per_node=4 train.py --phase=decay --init_from=out/clm --out_dir=out/clm-decay
+    python train.py                                  # the demo recipe: a tiny model on data/demo, minutes on a CPU
+    torchrun --nproc_per_node=4 train.py --phase=clm # the same demo, on 4 processes (same global batch)
+    python train.py --phase=decay --init_from=out/demo-clm
+    torchrun --nproc_per_node=4 train.py --recipe=paper --phase=clm --init_from=answerdotai/ModernBERT-base \
+        --data=data/bio --out_dir=out/clm
 
-A phase (SPEC §3) picks the objective, the attention mask, the masking rate and the schedule; every
-other value is the paper's recipe unless a flag says otherwise. `--phase=decay --init_from=RUN` keeps
-the weights, the Adam moments, the step counter and the data position of RUN and restarts only the
-schedule. Importing this file has no side effects: tests use its optimizer and schedules.
+A recipe names a scale (the paper's, the demo's, ...), a phase (SPEC §3) the objective and the schedule;
+flags override both. Where a run starts is one of four cases, printed at start: a fresh model; weights
+only (a Hugging Face checkpoint, or a run with --weights_only: fresh optimizer and data position); a
+phase hand-off from one of our runs (weights, Adam moments, step counter and data position; only the
+schedule restarts); or --resume (everything, bit for bit). Importing this file has no side effects.
 """
 import base64
 import contextlib
 import dataclasses
+import datetime
+import fcntl
 import hashlib
 import json
 import math
@@ -29,22 +34,30 @@ import data
 import freeze
 from model import BACKEND_NAMES, ModernBERT, ModernBERTConfig, resolve_checkpoint, write_json
 
+
+class TrainError(ValueError):
+    """A bad flag or input file, or a run that cannot go on: `error: <message>`, exit status 2, no traceback."""
+
+
 # -----------------------------------------------------------------------------
-# Configuration: the paper's recipe as typed defaults; a phase preset, the demo, the run we start
-# from and the command line override them, in that order.
+# Configuration: the paper's recipe as typed defaults (SPEC §3).
 
 
 @dataclass
 class Config:
+    recipe: str = "demo"  # paper (SPEC §3) | demo (a laptop CPU, data/demo) | smoke | cpu (reproduce.py's scales)
     phase: str = "mlm"  # mlm (the baseline) | clm (the detour) | decay (the short MLM return)
-    init_from: str = "scratch"  # scratch (a preset) | a Hugging Face directory or hub id | a run directory of ours
-    preset: str = "base"  # architecture when init_from=scratch
-    data: str = "data/demo"  # a directory written by `python data.py prepare`
-    out_dir: str = ""  # default out/<phase>
+    init_from: str = "scratch"  # scratch (a --preset) | a Hugging Face directory or hub id | a run directory of ours
+    weights_only: bool = False  # from a run of ours, take the weights alone: fresh optimizer, fresh data position
+    preset: str = "base"  # architecture when init_from=scratch: tiny | mini | small | base | large
+    data: str = ""  # a directory written by `python data.py prepare`
+    out_dir: str = ""  # default out/<phase> (paper), out/<recipe>-<phase> (the others)
     tokens: int = 10_000_000_000  # this phase's budget; decay: 0 means 10% of the Phase-1 tokens of init_from
     seq_len: int = 8192  # documents packed into 8,192-token sequences
     batch_size: int = 384  # global sequences per optimizer step (3.1M tokens)
-    micro_batch_size: int = 4  # sequences per process per forward; accumulation makes up the rest
+    micro_batch_size: int = 4  # sequences per process per forward; 0: batch_size / processes (no accumulation)
+    objective: str = "mlm"  # mlm | clm, set by the phase: clm means a causal mask and next-token labels
+    mask_rate: float = 0.3  # MLM masking rate (80% [MASK], 10% random, 10% kept)
     lr: float = 2e-4  # peak learning rate
     beta1: float = 0.9
     beta2: float = 0.98
@@ -53,8 +66,6 @@ class Config:
     schedule: str = "constant"  # constant (linear warmup, then constant) | 1-sqrt (decay to final_lr_frac)
     warmup_tokens: int = 100_000_000
     final_lr_frac: float = 0.1  # the decay ends at 10% of the peak
-    mask_rate: float = 0.3  # MLM masking rate; 0 means next-token prediction (CLM)
-    causal: bool = False  # causal attention mask (the detour)
     grad_clip: float = 1.0  # max global grad norm (our choice; 0 disables)
     dropout: float = 0.0  # on the attention output projection (SPEC §1, our choice)
     separate_documents: bool = False  # the paper lets attention cross document boundaries
@@ -63,29 +74,41 @@ class Config:
     freeze: str = ""  # blocks to freeze: 0-7 | 8-14 | 0,2,5 | low | mid
     eval_interval: int = 250  # steps between validation losses (and one at the end)
     eval_sequences: int = 64  # fixed validation windows
-    save_interval: int = 500  # steps between checkpoints (and one at the end)
+    save_interval: int = 500  # steps between checkpoints (and one at the end); 0: only at the end
     log_interval: int = 1
     max_steps: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0: run to the budget
     resume: bool = False  # continue out_dir exactly where it stopped
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # CPU intra-op threads per process; 0: $OMP_NUM_THREADS, else the cores / local processes
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
     backend: str = "auto"  # attention: auto | flash | flex | sdpa
+    ddp_timeout: int = 900  # seconds a process waits for the others before the job stops (a stalled rank)
 
 
-PHASES = {
-    "mlm": dict(mask_rate=0.3, causal=False, schedule="constant", warmup_tokens=100_000_000),
-    "clm": dict(mask_rate=0.0, causal=True, schedule="constant", warmup_tokens=100_000_000),
-    "decay": dict(mask_rate=0.15, causal=False, schedule="1-sqrt", warmup_tokens=0, tokens=0),
+# Scales: the values a recipe changes. The paper's is the defaults above.
+RECIPES = {
+    "paper": {},
+    "demo": dict(data="data/demo", preset="tiny", seq_len=256, batch_size=16, micro_batch_size=0, tokens=1_250_000,
+                 lr=2e-3, warmup_tokens=100_000, eval_interval=50, eval_sequences=16, save_interval=50,
+                 log_interval=10, compile=False),
+    "smoke": dict(preset="tiny", seq_len=128, batch_size=8, micro_batch_size=0, tokens=100_000, lr=2e-3,
+                  warmup_tokens=10_000, eval_interval=10**9, eval_sequences=8, save_interval=25, log_interval=10,
+                  compile=False),
+    "cpu": dict(preset="mini", seq_len=256, batch_size=32, micro_batch_size=0, tokens=2_000_000, lr=1e-3,
+                warmup_tokens=200_000, eval_interval=100, eval_sequences=32, save_interval=50, log_interval=25,
+                compile=False),
 }
-# With neither --data nor --init_from: the embedded demo, sized for a laptop CPU.
-DEMO = dict(preset="tiny", seq_len=256, batch_size=16, micro_batch_size=16, tokens=1_250_000, lr=2e-3,
-            warmup_tokens=100_000, eval_interval=50, eval_sequences=16, save_interval=0, log_interval=10,
-            compile=False)
-# What a phase started from one of our runs inherits from it (the same model, data and optimizer).
-INHERITED = ("preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1", "beta2", "eps",
+# Phases (SPEC §3): the objective and the schedule. The decay's budget, 0, means 10% of the Phase-1 run's.
+PHASES = {
+    "mlm": dict(objective="mlm", mask_rate=0.3, schedule="constant"),
+    "clm": dict(objective="clm", schedule="constant"),
+    "decay": dict(objective="mlm", mask_rate=0.15, schedule="1-sqrt", warmup_tokens=0, tokens=0),
+}
+# What a phase hand-off inherits from the run it continues: the same model, data, batch and optimizer.
+INHERITED = ("recipe", "preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1", "beta2", "eps",
              "weight_decay", "grad_clip", "dropout", "separate_documents", "seed", "data_seed", "dtype")
-PER_INVOCATION = ("resume", "max_steps", "device")  # never taken from a saved configuration
+PER_INVOCATION = ("resume", "max_steps", "device", "threads")  # never taken from a saved configuration
 FIELDS = {f.name: f.type.__name__ for f in dataclasses.fields(Config)}  # "int", "float", "bool", "str"
 
 
@@ -98,13 +121,15 @@ def parse_value(key, text):
             return text.lower() in ("true", "1", "yes")
         if kind == "int":  # token counts read best as 10e9, 10_000_000_000 or 10B
             scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(text[-1:].lower(), 1)
-            number = float(text[:-1] if scale > 1 else text)
-            if number * scale != int(number * scale):
+            number = float(text[:-1] if scale > 1 else text) * scale
+            if not math.isfinite(number) or number != int(number):
                 raise ValueError
-            return int(number * scale)
-        return float(text) if kind == "float" else text
+            return int(number)
+        if kind == "float":
+            return float(text)
+        return text
     except ValueError:
-        raise SystemExit(f"error: --{key}={text!r} is not a valid {kind}") from None
+        raise TrainError(f"--{key}={text!r} is not a valid {kind}") from None
 
 
 def parse_flags(argv):
@@ -113,83 +138,95 @@ def parse_flags(argv):
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {arg!r}; flags look like --key=value")
+            raise TrainError(f"unexpected argument {arg!r}; flags look like --key=value")
         key, eq, value = arg[2:].partition("=")
         if key not in FIELDS:
-            raise SystemExit(f"error: unknown flag --{key}; known flags: {', '.join(FIELDS)}")
+            raise TrainError(f"unknown flag --{key}; known flags: {', '.join(FIELDS)}")
         if not eq:
             if FIELDS[key] == "bool" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
                 value = "true"
             elif i + 1 < len(argv):
                 i, value = i + 1, argv[i + 1]
             else:
-                raise SystemExit(f"error: --{key} needs a value")
+                raise TrainError(f"--{key} needs a value")
         flags[key] = parse_value(key, value)
         i += 1
     return flags
 
 
-def resolve_config(argv):
-    """Returns (config, the run we start from or None). Order: defaults < phase < demo < init run < flags."""
-    flags = parse_flags(argv)
-    if flags.get("resume"):  # the saved configuration, with this invocation's flags on top
-        out_dir = flags.get("out_dir") or f"out/{flags.get('phase', Config.phase)}"
-        saved = read_run(out_dir, "--resume")["config"]
+def resolve_config(flags, saved=None, start_run=None):
+    """Defaults < recipe < phase < what a hand-off inherits from start_run < flags. `saved`: a resumed run's config."""
+    if saved is not None:
         values = {k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION}
-        return Config(**{**values, **flags, "out_dir": out_dir}), None
+        return Config(**{**values, **flags})
+    inherited = {k: v for k, v in start_run["config"].items() if k in INHERITED} if start_run else {}
+    recipe = flags.get("recipe", inherited.get("recipe", Config.recipe))
     phase = flags.get("phase", Config.phase)
-    if phase not in PHASES:
-        raise SystemExit(f"error: --phase={phase!r}; expected one of {', '.join(PHASES)}")
-    values = dict(PHASES[phase])
-    if "data" not in flags and "init_from" not in flags:
-        values.update(DEMO)
-    init_run = None
-    init_from = flags.get("init_from", Config.init_from)
-    if os.path.exists(os.path.join(init_from, "state.json")):
-        init_run = read_run(init_from, "--init_from")
-        values.update({k: v for k, v in init_run["config"].items() if k in INHERITED})
-    values.update(flags)
-    cfg = Config(**values)
-    cfg.out_dir = cfg.out_dir or f"out/{cfg.phase}"
+    for name, value, known in (("recipe", recipe, RECIPES), ("phase", phase, PHASES)):
+        if value not in known:
+            raise TrainError(f"--{name}={value!r}; expected one of {', '.join(known)}")
+    cfg = Config(**{**RECIPES[recipe], **PHASES[phase], **inherited, **flags})
+    default_dir = f"out/{cfg.phase}" if cfg.recipe == "paper" else f"out/{cfg.recipe}-{cfg.phase}"
+    cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run are the same run
     if cfg.phase == "decay" and cfg.tokens == 0:  # 10% of the Phase-1 budget (SPEC §3)
-        if init_run is None:
-            raise SystemExit("error: --phase=decay needs --tokens, or --init_from a run directory of this trainer "
-                             "(its budget then defaults to 10% of that run's tokens)")
-        cfg.tokens = init_run["phase_tokens"] // 10
-    check_config(cfg)
-    return cfg, init_run
+        if start_run is None:
+            raise TrainError("--phase=decay needs --tokens, or --init_from a run directory of this trainer "
+                              "(its budget then defaults to 10% of that run's tokens)")
+        cfg.tokens = start_run["phase_tokens"] // 10
+    return cfg
 
 
-def check_config(cfg):
-    """Bad values stop here, before any data is read or weight is loaded."""
-    problems = [
+def check_config(cfg, world):
+    """Every flag's range, before any data is read or any weight is loaded. Returns the accumulation steps."""
+    finite = lambda x: math.isfinite(x)  # noqa: E731  (NaN passes every comparison below unnoticed otherwise)
+    rules = [
+        (cfg.objective in ("mlm", "clm"), f"--objective={cfg.objective!r}: expected mlm or clm"),
         (cfg.schedule in ("constant", "1-sqrt"), f"--schedule={cfg.schedule!r}: expected constant or 1-sqrt"),
-        (0 <= cfg.mask_rate < 1, f"--mask_rate={cfg.mask_rate}: expected 0 <= rate < 1 (0 means CLM)"),
-        (cfg.mask_rate > 0 or cfg.causal, "--mask_rate=0 (next-token prediction) needs --causal=true"),
-        (cfg.mask_rate == 0 or not cfg.causal, "--causal=true with masking: MLM needs bidirectional attention"),
-        (cfg.tokens > 0 and cfg.seq_len > 0 and cfg.batch_size > 0 and cfg.micro_batch_size > 0,
-         "--tokens, --seq_len, --batch_size and --micro_batch_size must be positive"),
-        (cfg.lr > 0 and 0 <= cfg.final_lr_frac <= 1, "--lr must be positive and --final_lr_frac within [0, 1]"),
+        (cfg.objective == "clm" or 0 < cfg.mask_rate < 1, f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
+        (cfg.phase != "decay" or cfg.init_from != "scratch",
+         "--phase=decay needs --init_from: the run (or checkpoint) to decay from"),
+        (cfg.data != "", "--data is required: a directory written by `python data.py prepare`"),
+        (cfg.tokens > 0, f"--tokens={cfg.tokens}: expected a positive token budget"),
+        (cfg.seq_len > 0, f"--seq_len={cfg.seq_len}: expected a positive length"),
+        (cfg.batch_size > 0 and cfg.micro_batch_size >= 0,
+         f"--batch_size={cfg.batch_size} must be positive and --micro_batch_size={cfg.micro_batch_size} >= 0"),
+        (finite(cfg.lr) and cfg.lr > 0, f"--lr={cfg.lr}: expected a positive finite learning rate"),
+        (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"--beta1={cfg.beta1}, --beta2={cfg.beta2}: expected 0 <= beta < 1"),
+        (finite(cfg.eps) and cfg.eps > 0, f"--eps={cfg.eps}: expected a positive finite number"),
+        (finite(cfg.weight_decay) and cfg.weight_decay >= 0, f"--weight_decay={cfg.weight_decay}: expected >= 0"),
+        (cfg.warmup_tokens >= 0, f"--warmup_tokens={cfg.warmup_tokens}: expected >= 0"),
+        (0 <= cfg.final_lr_frac <= 1, f"--final_lr_frac={cfg.final_lr_frac}: expected a fraction in [0, 1]"),
+        (finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad_clip={cfg.grad_clip}: expected >= 0 (0 disables)"),
+        (0 <= cfg.dropout < 1, f"--dropout={cfg.dropout}: expected a probability in [0, 1)"),
+        (cfg.seed >= 0 and cfg.data_seed >= 0, f"--seed={cfg.seed}, --data_seed={cfg.data_seed}: expected >= 0"),
+        (cfg.eval_interval > 0 and cfg.log_interval > 0 and cfg.eval_sequences > 0,
+         "--eval_interval, --log_interval and --eval_sequences must be positive"),
+        (cfg.save_interval >= 0 and cfg.max_steps >= 0, "--save_interval and --max_steps must be >= 0 (0: at the end)"),
+        (cfg.threads >= 0 and cfg.ddp_timeout > 0, "--threads must be >= 0 (0: automatic), --ddp_timeout positive"),
         (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
-        (cfg.backend in ("auto", "flash", "flex", "sdpa"), f"--backend={cfg.backend!r}: expected auto, flash, flex or sdpa"),
+        (cfg.backend in ("auto", *BACKEND_NAMES), f"--backend={cfg.backend!r}: expected auto, {', '.join(BACKEND_NAMES)}"),
+        (cfg.init_from == "scratch" or cfg.recipe != "demo" or is_run(cfg.init_from),
+         f"--recipe=demo trains a tiny model from scratch; --init_from={cfg.init_from} needs --recipe=paper "
+         f"(SPEC §3) or another recipe"),
     ]
-    for ok, message in problems:
+    for ok, message in rules:
         if not ok:
-            raise SystemExit(f"error: {message}")
+            raise TrainError(message)
+    micro = cfg.micro_batch_size or cfg.batch_size // world
+    accum, rest = divmod(cfg.batch_size, max(micro, 1) * world)
+    if rest or not accum:
+        flag = "--micro_batch_size" if cfg.micro_batch_size else "--batch_size"
+        raise TrainError(f"--batch_size={cfg.batch_size} cannot be split into micro-batches of {micro} on {world} "
+                          f"process(es); change {flag} so that batch_size = micro_batch_size x processes x k")
+    cfg.micro_batch_size = micro
+    if cfg.tokens < cfg.batch_size * cfg.seq_len and cfg.phase != "decay":
+        raise TrainError(f"--tokens={cfg.tokens:,} is less than one optimizer step ({cfg.batch_size} x {cfg.seq_len} "
+                          f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
+    return accum
 
 
-def read_run(path, flag):
-    """state.json of a run directory, falling back to the copy kept while a checkpoint was being swapped in."""
-    for candidate in (path, path + ".old"):
-        state_file = os.path.join(candidate, "state.json")
-        if os.path.exists(state_file):
-            if candidate != path:
-                print(f"{path} is incomplete (interrupted while saving): using the previous checkpoint {candidate}")
-            with open(state_file) as f:
-                state = json.load(f)
-            state["dir"] = candidate
-            return state
-    raise SystemExit(f"error: {flag}={path}: no state.json there; expected a run directory written by train.py")
+def is_run(path):
+    return any(os.path.isfile(os.path.join(d, "state.json")) for d in (path, path + ".tmp", path + ".old"))
 
 
 # -----------------------------------------------------------------------------
@@ -202,14 +239,14 @@ class AdamW:
     torch.optim.AdamW(weight_decay=wd / peak_lr). Matrices decay; biases and norms (ndim <= 1) do not.
     Parameters named in `frozen` are skipped entirely: no update from stale moments, no decay."""
 
-    def __init__(self, groups, peak_lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=1e-5):
+    def __init__(self, groups, peak_lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=1e-5, frozen=()):
         self.groups = [(params, weight_decay if kind == "decay" else 0.0) for kind, params in groups.items()]
         named = [name for params, _ in self.groups for name, _ in params]
         assert len(named) == len(set(named)), "every parameter belongs to exactly one group"
         self.peak_lr, self.betas, self.eps = peak_lr, betas, eps
         self.moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for params, _ in self.groups for name, p in params}
         self.steps = 0  # Adam's t, carried across phases
-        self.frozen = set()
+        self.frozen = set(frozen)
 
     @torch.no_grad()
     def step(self, lr):
@@ -238,8 +275,8 @@ class AdamW:
     def load_state_tensors(self, tensors, steps, source):
         want = set(self.state_tensors())
         if set(tensors) != want:
-            raise SystemExit(f"error: {source} does not match the model: missing {sorted(want - set(tensors))[:5]}, "
-                             f"unexpected {sorted(set(tensors) - want)[:5]}")
+            raise TrainError(f"{source} does not match the model: missing {sorted(want - set(tensors))[:5]}, "
+                              f"unexpected {sorted(set(tensors) - want)[:5]}")
         for name, (m, v) in self.moments.items():
             m.copy_(tensors[f"exp_avg.{name}"])
             v.copy_(tensors[f"exp_avg_sq.{name}"])
@@ -255,25 +292,120 @@ def learning_rate(cfg, tokens):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: a Hugging Face directory plus optimizer.safetensors and state.json, written to
-# OUT.tmp and swapped in by renames, so a kill at any moment leaves a complete checkpoint behind.
+# Checkpoints. A run directory OUT is a Hugging Face model directory plus optimizer.safetensors and
+# state.json. A save writes OUT.tmp (every file fsynced, state.json last, listing the others' sizes), then
+# renames OUT -> OUT.old, OUT.tmp -> OUT, and deletes OUT.old. At every instant one of the three is complete;
+# `recover` makes the newest complete one OUT again. A folder is deleted only if it carries our MARKER.
+
+MARKER = ".train_py"  # "this folder was created by train.py and may be replaced by it"
+STATE_KEYS = ("phase", "step", "phase_step", "phase_tokens", "loader", "rng", "config", "files", "history")
 
 
-def save_checkpoint(out_dir, model, optimizer, state, extra_files=()):
+def read_state(folder):
+    """state.json of a complete checkpoint in `folder`, else None (missing, unreadable or files of another size)."""
+    try:
+        with open(os.path.join(folder, "state.json")) as f:
+            state = json.load(f)
+        complete = isinstance(state, dict) and all(k in state for k in STATE_KEYS) and all(
+            os.path.getsize(os.path.join(folder, name)) == size for name, size in state["files"].items())
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return state if complete else None
+
+
+def owned(folder):
+    return os.path.isfile(os.path.join(folder, MARKER))
+
+
+def remove_run_dir(folder):
+    """Delete one of our (flat) checkpoint folders; the marker goes last, so a kill midway leaves it ours."""
+    if not os.path.exists(folder):
+        return
+    if not owned(folder):
+        raise TrainError(f"{folder} exists and was not written by train.py; move it away (nothing was deleted)")
+    for name in os.listdir(folder):
+        if name != MARKER:
+            os.remove(os.path.join(folder, name))
+    os.remove(os.path.join(folder, MARKER))
+    os.rmdir(folder)
+
+
+def recover(out_dir):
+    """Make the newest complete checkpoint among OUT, OUT.tmp and OUT.old be OUT, and remove the others.
+    Returns its state, or None when there is none. Each rename is atomic, so any kill here is recoverable too."""
+    found = [(s["step"], s["phase_step"], i, d) for i, d in enumerate((out_dir, out_dir + ".tmp", out_dir + ".old"))
+             if (s := read_state(d)) is not None]
+    if not found:
+        return None
+    *_, best = max(found, key=lambda f: (f[0], f[1], -f[2]))  # ties go to OUT
+    if best != out_dir:
+        print(f"{out_dir}: the newest complete checkpoint is {best} (a save was interrupted): moving it into place")
+        remove_run_dir(out_dir)
+        os.rename(best, out_dir)
+    for other in (out_dir + ".tmp", out_dir + ".old"):
+        remove_run_dir(other)
+    return read_state(out_dir)
+
+
+def lock_run_dir(out_dir):
+    """An exclusive lock beside OUT (OUT itself is renamed by saves), held until the process ends."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        handle = open(out_dir + ".lock", "a+")
+    except OSError as e:
+        raise TrainError(f"--out_dir={out_dir}: cannot create the run directory there ({e.strerror})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise TrainError(f"--out_dir={out_dir}: another train.py is writing this run (it holds {out_dir}.lock)") from None
+    return handle
+
+
+def append_log(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def fsync_file(path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(out_dir, model, optimizer, state, tokenizer):
+    """Write the checkpoint to OUT.tmp, then swap it in. A failure (a full disk) leaves OUT as it was."""
     from safetensors.torch import save_file
     tmp, old = out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    save_file({k: v.contiguous() for k, v in optimizer.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
-    for path in extra_files:  # the log, the tokenizer
-        if os.path.exists(path):
-            shutil.copy(path, tmp)
-    write_json(os.path.join(tmp, "state.json"), state)
+    tensors = [*model.parameters(), *optimizer.state_tensors().values()]
+    if not all(torch.isfinite(t).all() for t in tensors):  # never write a poisoned checkpoint over a good one
+        raise TrainError(f"non-finite weights or moments at step {state['phase_step']}; nothing saved, {out_dir} is kept")
+    try:
+        remove_run_dir(tmp)
+        os.makedirs(tmp)
+        open(os.path.join(tmp, MARKER), "w").close()
+        model.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in optimizer.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+            shutil.copy(os.path.join(out_dir, "log.jsonl"), tmp)
+        files = sorted(n for n in os.listdir(tmp) if n not in (MARKER, "log.jsonl"))  # the log grows after the save
+        for name in files:
+            fsync_file(os.path.join(tmp, name))
+        sizes = {n: os.path.getsize(os.path.join(tmp, n)) for n in files}
+        write_json(os.path.join(tmp, "state.json"), {**state, "files": sizes})
+        fsync_file(os.path.join(tmp, "state.json"))
+    except OSError as e:
+        with contextlib.suppress(OSError, TrainError):
+            remove_run_dir(tmp)
+        raise TrainError(f"could not write the checkpoint {tmp} ({e.strerror or e}); {out_dir} is kept as it was") from None
+    remove_run_dir(old)
     if os.path.exists(out_dir):
-        shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(out_dir)), os.O_RDONLY)
+    os.fsync(dir_fd)  # the renames themselves reach the disk
+    os.close(dir_fd)
+    remove_run_dir(old)
 
 
 def rng_state(device):
@@ -288,6 +420,15 @@ def set_rng_state(state, device):
     torch.set_rng_state(decode(state["cpu"]))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(decode(state["cuda"]), device)
+
+
+def all_gather(obj, world):
+    """Every rank's obj. A collective: every rank must call it at the same point."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def code_version():
@@ -305,9 +446,26 @@ def code_version():
 
 
 # -----------------------------------------------------------------------------
-# Hardware: peak dense bf16 FLOP/s per GPU, for MFU.
+# Evaluation, hardware and printing.
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+@torch.no_grad()
+def evaluate(model, cfg, meta, device, autocast):
+    """Fixed validation windows: MLM loss at 15% and CLM loss, whatever the phase, so phases compare."""
+    model.eval()
+    losses = {}
+    for name, objective, rate in (("val_mlm", "mlm", 0.15), ("val_clm", "clm", 0.0)):
+        total = []
+        for x, y in data.val_batches(cfg.data, cfg.seq_len, cfg.eval_sequences, cfg.micro_batch_size, objective, rate):
+            docs = data.document_ids(x, meta["sep_id"]).to(device) if cfg.separate_documents else None
+            with autocast:
+                total.append(model(x.to(device), labels=y, causal=objective == "clm", doc_ids=docs)[1].float())
+        losses[name] = torch.stack(total).mean().item()
+    model.train()
+    return losses
+
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU, for MFU
 
 
 def peak_flops(device):
@@ -317,236 +475,107 @@ def peak_flops(device):
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-# -----------------------------------------------------------------------------
-# The run.
-
-
-def main(argv=None):
-    cfg, init_run = resolve_config(sys.argv[1:] if argv is None else argv)
-
-    # --- distributed setup: torchrun sets RANK; one code path for 1 and N processes ---
-    ddp = "RANK" in os.environ
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if ddp:
-        dist.init_process_group("nccl" if want_cuda else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ["LOCAL_RANK"])
-    else:
-        rank, world, local_rank = 0, 1, 0
-    device = torch.device(f"cuda:{local_rank}" if want_cuda and (ddp or cfg.device == "auto") else
-                          ("cuda" if want_cuda else cfg.device if cfg.device != "auto" else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    master = rank == 0
-    print0 = print if master else (lambda *a, **k: None)
+def pick_device(requested, local_rank):
+    if requested == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     try:
-        train(cfg, init_run, device, rank, world, ddp, master, print0)
-    except data.DataError as e:  # bad data stops with its file named, before any compute
-        raise SystemExit(f"error: {e}") from None
-    finally:
-        if ddp:
-            dist.destroy_process_group()
+        device = torch.device(requested)
+    except RuntimeError:
+        raise TrainError(f"--device={requested!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise TrainError(f"--device={requested}: not available here (CUDA available: {torch.cuda.is_available()})")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
 
 
-def train(cfg, init_run, device, rank, world, ddp, master, print0):
-    accum, rem = divmod(cfg.batch_size, cfg.micro_batch_size * world)
-    if rem or not accum:
-        raise SystemExit(f"error: --batch_size={cfg.batch_size} is not a multiple of --micro_batch_size="
-                         f"{cfg.micro_batch_size} x {world} processes")
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    total_steps = max(1, cfg.tokens // tokens_per_step)
-    resume_state = read_run(cfg.out_dir, "--out_dir") if cfg.resume else None
-    if not cfg.resume and os.path.exists(os.path.join(cfg.out_dir, "state.json")):
-        raise SystemExit(f"error: {cfg.out_dir} already holds a checkpoint; pass --resume to continue it, "
-                         f"or choose another --out_dir")
+def pick_threads(requested):
+    """Intra-op threads of this CPU process. One per core is the default of PyTorch; with several processes
+    on one machine, or other work on it, that oversubscribes the cores (issue #9 measured 4.7x the CPU time)."""
+    if requested:
+        return requested
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
-    # --- data: prepared shards; the demo is built on first use ---
-    if cfg.data == Config.data and not os.path.exists(os.path.join(cfg.data, "meta.json")) and master:
-        print0(f"{cfg.data} is missing: building the embedded demo corpus")
-        data.prepare_demo(cfg.data)
-    if ddp:
-        dist.barrier()
-    meta = data.load_meta(cfg.data)
-    objective = "clm" if cfg.mask_rate == 0 else "mlm"
-    loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, cfg.micro_batch_size, rank, world,
-                         objective, cfg.mask_rate, cfg.data_seed, cfg.seed)
-    assert loader.accum == accum
 
-    # --- model: from a preset, a Hugging Face checkpoint, or one of our runs ---
-    torch.manual_seed(cfg.seed)  # the same init on every rank
-    start = resume_state or init_run
-    source = start["dir"] if start is not None else None if cfg.init_from == "scratch" else resolve_checkpoint(cfg.init_from)
-    if source is not None:
-        model = ModernBERT.from_pretrained(source, cfg.backend)
-        if os.path.exists(os.path.join(source, "tokenizer.json")):  # the model's own tokenizer must be the data's
-            data.check_tokenizer(meta, data.load_tokenizer(os.path.join(source, "tokenizer.json")))
-    else:
-        vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
-        model = ModernBERT(ModernBERTConfig.from_preset(
-            cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
-            sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"]), cfg.backend)
-    check_data_fits_model(meta, model.config, cfg)
-    model.config.attention_dropout = cfg.dropout
-    for block in model.model.layers:
-        block.attn.dropout = cfg.dropout
-    model.to(device)
-    frozen_layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
-    frozen = freeze.frozen_names(model, frozen_layers)
-    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
-    optimizer.frozen = frozen
+def duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
-    # --- where we start: fresh, a phase hand-off (weights, moments, step counter, data position), or a resume ---
-    step, phase_tokens, history = 0, 0, []
-    if start is not None:
-        from safetensors.torch import load_file
-        opt_file = os.path.join(start["dir"], "optimizer.safetensors")
-        optimizer.load_state_tensors(load_file(opt_file, device=str(device)), start["step"], opt_file)
-        loader.load_state_dict(start["loader"])
-        history = start.get("history", [])
-    if resume_state is not None:
-        step, phase_tokens = resume_state["phase_step"], resume_state["phase_tokens"]
-        ranks = resume_state.get("rng", [])
-        if len(ranks) == world:
-            set_rng_state(ranks[rank], device)
-    elif init_run is not None:
-        history = history + [{"phase": init_run["phase"], "tokens": init_run["phase_tokens"], "dir": init_run["dir"]}]
 
-    torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
-    raw_model = model
-    if cfg.compile and device.type == "cuda":
-        for block in model.model.layers:  # regional compilation: one graph per block kind, compiled once
-            block.compile()
-    if ddp:
-        # no device_ids: DDP would otherwise move the host-side labels to the GPU (the model handles them there)
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    autocast = (torch.autocast("cuda", dtype=getattr(torch, cfg.dtype)) if device.type == "cuda" and cfg.dtype != "float32"
-                else contextlib.nullcontext())
-    flops = raw_model.flops_per_token(cfg.seq_len, cfg.causal, cfg.mask_rate or 1.0)
-    peak = peak_flops(device)
+# -----------------------------------------------------------------------------
+# Where a run starts: checks and loading, each failure a one-line error naming the file or flag.
 
-    print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    print0(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
-           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, {world} process(es)")
-    print0(f"model: {raw_model.num_params():,} parameters, attention: {raw_model.attention_backend(device)} = "
-           f"{BACKEND_NAMES[raw_model.attention_backend(device)]}")
-    print0(f"batch: {cfg.batch_size} sequences = {cfg.micro_batch_size} micro x {accum} accumulation x {world} "
-           f"process(es); {tokens_per_step:,} tokens/step; {total_steps:,} steps for {cfg.tokens:,} tokens")
-    print0(f"phase {cfg.phase}: {'CLM, causal mask' if cfg.causal else f'MLM at {cfg.mask_rate:.0%}, bidirectional'}; "
-           f"schedule {cfg.schedule}; optimizer step counter starts at {optimizer.steps}"
-           + (f"; frozen blocks {frozen_layers} ({sum(p.numel() for n, p in raw_model.named_parameters() if n in frozen):,} "
-              f"parameters)" if frozen_layers else ""))
-    if peak is None:
-        print0("MFU: no peak FLOP/s known for this device; MFU is not reported")
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    log_file = os.path.join(cfg.out_dir, "log.jsonl")
-    if master and resume_state is not None:  # drop log lines written after the checkpoint we resume from
-        keep = [line for line in open(os.path.join(resume_state["dir"], "log.jsonl")) if json.loads(line)["step"] <= step] \
-            if os.path.exists(os.path.join(resume_state["dir"], "log.jsonl")) else []
-        with open(log_file, "w") as f:
-            f.writelines(keep)
-    # the run directory carries its tokenizer: the checkpoint's own, else the file the data was prepared with
-    tokenizer_file = next((f for f in (source and os.path.join(source, "tokenizer.json"), meta["tokenizer"])
-                           if f and os.path.isfile(f)), None)
+def next_batch(loader, device):
+    """Ids go to the device from pinned memory, so the copy overlaps the GPU's work; labels stay on the
+    host, where the model finds the positions to predict without a device sync."""
+    x, y = loader.next()
+    return (x.pin_memory().to(device, non_blocking=True), y) if device.type == "cuda" else (x, y)
 
-    def log(record):
-        if master:
-            with open(log_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
-    def checkpoint():
-        state = dict(phase=cfg.phase, step=optimizer.steps, phase_step=step, phase_tokens=phase_tokens,
-                     total_tokens=sum(h["tokens"] for h in history) + phase_tokens, loader=loader_state,
-                     rng=gather(rng_state(device)), config=dataclasses.asdict(cfg), code=code_version(),
-                     tokenizer=meta["tokenizer"], history=history)
-        if master:
-            save_checkpoint(cfg.out_dir, raw_model, optimizer, state,
-                            [log_file] + ([tokenizer_file] if tokenizer_file else []))
-            print0(f"saved {cfg.out_dir} at step {step}")
+def recover_readonly(path):
+    """The state of the run directory `path` starts from (complete checkpoint among path, .tmp, .old), or None
+    when `path` is not one of our runs (a Hugging Face checkpoint or hub id)."""
+    if not is_run(path):
+        return None
+    found = [(s["step"], s["phase_step"], d) for d in (path, path + ".tmp", path + ".old") if (s := read_state(d))]
+    if not found:
+        raise TrainError(f"--init_from={path}: its state.json is incomplete or unreadable, and no complete "
+                          f"checkpoint is in {path}.tmp or {path}.old")
+    *_, best = max(found)
+    return {**read_state(best), "dir": best}
 
-    def gather(obj):
-        if not ddp:
-            return [obj]
-        out = [None] * world
-        dist.all_gather_object(out, obj)
-        return out
 
-    def validate():
-        """Fixed validation windows, rank 0 only: MLM loss at 15% and CLM loss, whatever the phase."""
-        raw_model.eval()
-        losses = {}
-        with torch.no_grad(), autocast:
-            for name, obj, rate, causal in (("val_mlm", "mlm", 0.15, False), ("val_clm", "clm", 0.0, True)):
-                total = [raw_model(x.to(device), labels=y, causal=causal, doc_ids=docs(x))[1].float()
-                         for x, y in data.val_batches(cfg.data, cfg.seq_len, cfg.eval_sequences, cfg.micro_batch_size,
-                                                      obj, rate, seed=0)]
-                losses[name] = torch.stack(total).mean().item()
-        raw_model.train()
-        return losses
+def check_fresh_out_dir(out_dir):
+    """A new run never overwrites anything: OUT holds no checkpoint, and nothing but what a killed start left."""
+    if is_run(out_dir):
+        raise TrainError(f"{out_dir} already holds a checkpoint; pass --resume to continue it, or choose another --out_dir")
+    for folder in (out_dir, out_dir + ".tmp", out_dir + ".old"):
+        if os.path.isfile(folder):
+            raise TrainError(f"--out_dir={out_dir}: {folder} is a file, not a directory")
+        if os.path.isdir(folder) and os.listdir(folder) and not owned(folder):
+            raise TrainError(f"--out_dir={out_dir}: {folder} exists and was not written by train.py; choose another --out_dir")
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.access(out_dir, os.W_OK):
+        raise TrainError(f"--out_dir={out_dir}: not writable")
+    open(os.path.join(out_dir, MARKER), "w").close()
 
-    def docs(x):
-        return data.document_ids(x, meta["sep_id"]).to(device) if cfg.separate_documents else None
 
-    # --- the loop ---
-    def next_batch():
-        """Ids go to the device from pinned memory, so the copy overlaps the GPU's work; labels stay on the
-        host, where the model finds the positions to predict without a device sync."""
-        x, y = loader.next()
-        return (x.pin_memory().to(device, non_blocking=True), y) if device.type == "cuda" else (x, y)
+def resolve_source(init_from):
+    """A Hugging Face directory, or a hub id (fetched). A path that does not exist is not taken for a hub id."""
+    looks_like_path = init_from.startswith(("/", ".", "~")) or init_from.count("/") != 1
+    if not os.path.isdir(init_from) and looks_like_path:
+        raise TrainError(f"--init_from={init_from}: no such directory (expected scratch, a checkpoint directory, "
+                          f"or a hub id like answerdotai/ModernBERT-base)")
+    try:
+        return resolve_checkpoint(init_from)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise TrainError(f"--init_from={init_from}: {e}") from None
 
-    model.train()
-    loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
-    x, y = next_batch()
-    params = list(raw_model.parameters())
-    stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
-    while step < stop:
-        t0 = time.time()
-        lr = learning_rate(cfg, phase_tokens)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            if ddp:  # all-reduce gradients only on the last micro-step (set before the forward)
-                model.require_backward_grad_sync = micro == accum - 1
-            with autocast:
-                _, loss = model(x, labels=y, causal=cfg.causal, doc_ids=docs(x))
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-            if micro == accum - 1:
-                loader_state = loader.state_dict()
-            x, y = next_batch()  # the next batch, prepared while the GPU works
-        freeze.zero_frozen_grads(raw_model, frozen)
-        grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else
-                     torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        optimizer.step(lr)
-        for p in params:
-            p.grad = None
-        step += 1
-        phase_tokens += tokens_per_step
 
-        if ddp:
-            dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / accum / world  # the one host sync per step
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: non-finite loss {loss_value} at step {step} (phase {cfg.phase}); stopping. "
-                             f"The last good checkpoint in {cfg.out_dir} is kept as it was.")
-        dt = time.time() - t0
-        record = dict(phase=cfg.phase, step=step, tokens=phase_tokens, loss=round(loss_value, 5), lr=lr,
-                      grad_norm=round(grad_norm.item(), 4), ms=round(dt * 1000, 1), tokens_per_s=round(tokens_per_step / dt),
-                      mfu=round(flops * tokens_per_step / dt / world / peak, 4) if peak else None)
-        if step % cfg.eval_interval == 0 or step == total_steps:
-            record.update(validate() if master else {})
-        log(record)
-        if step % cfg.log_interval == 0 or step == stop or "val_mlm" in record:
-            print0(f"{cfg.phase} step {step}/{total_steps} | tokens {phase_tokens:,} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                   f"grad {record['grad_norm']:.3f} | {record['ms']:.0f} ms | {record['tokens_per_s']:,} tok/s"
-                   + (f" | MFU {record['mfu']:.1%}" if peak else "")
-                   + (f" | val mlm {record['val_mlm']:.4f} clm {record['val_clm']:.4f}" if "val_mlm" in record else ""))
-        if step == stop or (cfg.save_interval and step % cfg.save_interval == 0):
-            checkpoint()
-    if step == total_steps:
-        print0(f"done: phase {cfg.phase}, {phase_tokens:,} tokens in {step} steps; the model is in {cfg.out_dir}")
-    else:
-        print0(f"stopped at step {step} of {total_steps} (--max_steps); continue with --resume --out_dir={cfg.out_dir}")
+def read_model_config(source):
+    path = os.path.join(source, "config.json")
+    try:
+        with open(path) as f:
+            return ModernBERTConfig.from_hf(json.load(f), path)
+    except (OSError, ValueError, TypeError, AssertionError) as e:
+        raise TrainError(f"{path}: not a readable ModernBERT config.json ({e})") from None
+
+
+def load_or_fail(load, path):
+    try:
+        load(path)
+    except Exception as e:  # safetensors raises its own error types for a truncated or garbage file
+        raise TrainError(f"{path}: cannot load the weights ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def load_optimizer(optimizer, start_run, device):
+    from safetensors.torch import load_file
+    path = os.path.join(start_run["dir"], "optimizer.safetensors")
+    load_or_fail(lambda p: optimizer.load_state_tensors(load_file(p, device=str(device)), start_run["step"], p), path)
 
 
 def check_data_fits_model(meta, config, cfg):
@@ -554,11 +583,256 @@ def check_data_fits_model(meta, config, cfg):
     ids = {"cls": config.cls_token_id, "sep": config.sep_token_id, "pad": config.pad_token_id, "mask": config.mask_token_id}
     wrong = [f"{k}: data {meta[k + '_id']} vs model {v}" for k, v in ids.items() if meta[k + "_id"] != v]
     if meta["vocab_size"] > config.vocab_size or wrong:
-        raise SystemExit(f"error: {os.path.join(cfg.data, 'meta.json')} does not match the model of --init_from="
-                         f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
-                         + (f"; special ids {', '.join(wrong)}" if wrong else "")
-                         + ". Prepare the data with the model's tokenizer.")
+        raise TrainError(f"{os.path.join(cfg.data, 'meta.json')} does not match the model of --init_from="
+                          f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
+                          + (f"; special ids {', '.join(wrong)}" if wrong else "")
+                          + ". Prepare the data with the model's tokenizer.")
+    if cfg.seq_len > config.max_position_embeddings:
+        raise TrainError(f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings "
+                          f"({config.max_position_embeddings})")
+
+
+# -----------------------------------------------------------------------------
+# The run.
+
+
+def main(argv=None):
+    # ---- configuration and distributed setup --------------------------------------------------------
+    flags = parse_flags(sys.argv[1:] if argv is None else argv)
+    ddp = "RANK" in os.environ  # torchrun sets RANK; one code path for 1 and N processes
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(flags.get("device", Config.device), int(os.environ.get("LOCAL_RANK", 0)))
+    master = rank == 0
+    print0 = print if master else (lambda *a, **k: None)
+    if ddp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=flags.get("ddp_timeout", Config.ddp_timeout)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    init_from = flags.get("init_from", Config.init_from)
+    if flags.get("resume"):  # continue OUT: its saved configuration, with this invocation's flags on top
+        if not flags.get("out_dir"):
+            raise TrainError("--resume needs --out_dir: the run directory to continue")
+        out_dir = os.path.normpath(flags["out_dir"])
+        lock = lock_run_dir(out_dir) if master else None  # held (open) until the process ends
+        start_run = all_gather(recover(out_dir) if master else None, world)[0]  # rank 0 looks, every rank follows
+        if start_run is None:
+            raise TrainError(f"--resume --out_dir={out_dir}: no complete checkpoint there (nor in .tmp or .old)")
+        start_run["dir"] = out_dir
+        cfg, start = resolve_config(flags, saved=start_run["config"]), "resume"
+        cfg.out_dir = out_dir
+        accum = check_config(cfg, world)
+    else:
+        start_run = recover_readonly(init_from) if init_from != "scratch" else None
+        cfg = resolve_config(flags, start_run=None if flags.get("weights_only") else start_run)
+        start = "fresh" if init_from == "scratch" else "handoff" if start_run and not cfg.weights_only else "weights"
+        accum = check_config(cfg, world)
+        out_dir = cfg.out_dir
+        lock = lock_run_dir(out_dir) if master else None
+        if master:
+            check_fresh_out_dir(out_dir)
+    torch.set_num_threads(pick_threads(cfg.threads))
+
+    # ---- data ---------------------------------------------------------------------------------------
+    if cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"] and master and \
+            not os.path.exists(os.path.join(cfg.data, "meta.json")):
+        print0(f"{cfg.data} is missing: building the embedded demo corpus")
+        data.prepare_demo(cfg.data)
+    all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
+    meta = data.load_meta(cfg.data)
+    tokenizer = data.load_tokenizer(meta["tokenizer"])
+    data.check_tokenizer(meta, tokenizer)
+    loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, cfg.micro_batch_size, rank, world,
+                         cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed)
+    val_windows = meta["splits"]["val"]["tokens"] // cfg.seq_len
+    if val_windows < cfg.eval_sequences:
+        raise TrainError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
+                          f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    total_steps = max(1, cfg.tokens // tokens_per_step)
+    epochs = total_steps * tokens_per_step / (loader.n_windows * cfg.seq_len)
+
+    # ---- model: its configuration is checked against the data and the flags before any weight is loaded
+    if start == "fresh":
+        source = None
+    elif start_run is not None:  # one of our runs: the directory that holds its newest complete checkpoint
+        source = start_run["dir"]
+    else:
+        source = resolve_source(init_from)
+    if source is None:
+        config = ModernBERTConfig.from_preset(cfg.preset, vocab_size=-(-meta["vocab_size"] // 64) * 64,  # x64: fast matmuls
+                                              pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
+                                              sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"])
+    else:
+        config = read_model_config(source)
+    check_data_fits_model(meta, config, cfg)
+    try:
+        frozen_layers = freeze.parse_layers(cfg.freeze, config.num_hidden_layers)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    torch.manual_seed(cfg.seed)  # the same init on every rank
+    config.attention_dropout = cfg.dropout
+    model = ModernBERT(config, cfg.backend)
+    if source is not None:
+        load_or_fail(model.load_weights, os.path.join(source, "model.safetensors"))
+    model.to(device)
+    frozen = freeze.frozen_names(model, frozen_layers)
+    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
+
+    # ---- where we start -----------------------------------------------------------------------------
+    step, phase_tokens, history = 0, 0, []
+    if start == "resume":
+        print0(f"resume {out_dir} at phase step {start_run['phase_step']}: weights, Adam moments, step counter "
+               f"{start_run['step']}, schedule position, data position and RNG states")
+        load_optimizer(optimizer, start_run, device)
+        loader.load_state_dict(start_run["loader"])
+        step, phase_tokens, history = start_run["phase_step"], start_run["phase_tokens"], start_run["history"]
+        if len(start_run["rng"]) == world:  # dropout streams; another world size restarts them
+            set_rng_state(start_run["rng"][rank], device)
+    elif start == "handoff":
+        print0(f"phase hand-off from {source} ({start_run['phase']}, {start_run['phase_tokens']:,} tokens): weights, "
+               f"Adam moments, step counter {start_run['step']} and data position; the schedule restarts")
+        load_optimizer(optimizer, start_run, device)
+        loader.load_state_dict(start_run["loader"])
+        history = start_run["history"] + [dict(phase=start_run["phase"], tokens=start_run["phase_tokens"], dir=source)]
+    elif start == "weights":
+        print0(f"weights from {source}; a fresh optimizer, and the data from its first sequence")
+    else:
+        print0(f"a fresh {cfg.preset} model (seed {cfg.seed})")
+    torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
+    if cfg.compile and device.type == "cuda":
+        for block in model.model.layers:  # regional compilation: one graph per block kind, compiled once
+            block.compile()
+    # no device_ids: DDP would otherwise move the host-side labels to the GPU (the model handles them there)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    autocast = torch.autocast("cuda", dtype=getattr(torch, cfg.dtype)) \
+        if device.type == "cuda" and cfg.dtype != "float32" else contextlib.nullcontext()
+    flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", cfg.mask_rate if cfg.objective == "mlm" else 1.0)
+    peak = peak_flops(device)
+    log_file = os.path.join(out_dir, "log.jsonl")
+    if master:  # the log holds exactly the steps of the checkpoint we start from
+        lines = open(log_file).readlines() if start == "resume" and os.path.exists(log_file) else []
+        with open(log_file, "w") as f:
+            f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+
+    print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+    print0(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
+           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, {world} process(es), "
+           f"{torch.get_num_threads()} CPU thread(s) each (--threads)")
+    print0(f"model: {model.num_params():,} parameters, attention: {BACKEND_NAMES[model.attention_backend(device)]}")
+    print0(f"recipe {cfg.recipe}, phase {cfg.phase}: {cfg.objective.upper()}"
+           f"{', causal mask' if cfg.objective == 'clm' else f' at {cfg.mask_rate:.0%}, bidirectional'}; schedule "
+           f"{cfg.schedule}; frozen blocks: {frozen_layers or 'none'}")
+    print0(f"batch: {cfg.batch_size} sequences = {cfg.micro_batch_size} micro x {accum} accumulation x {world} "
+           f"process(es); {tokens_per_step:,} tokens/step; {total_steps:,} steps = {total_steps * tokens_per_step:,} "
+           f"tokens, {epochs:.2f} epochs of {cfg.data}")
+    if epochs > 4:
+        print0(f"warning: the budget is {epochs:,.0f} epochs of {cfg.data} ({loader.n_windows * cfg.seq_len:,} train "
+               f"tokens): the model will memorise it; lower --tokens or prepare more data")
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    params = list(model.parameters())
+    stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
+    first_step, timed, t_start = step, 0.0, time.time()
+    record = {}
+    loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
+    x, y = next_batch(loader, device)
+    ddp_model.train()
+    while step < stop:
+        t0 = time.time()
+        lr = learning_rate(cfg, phase_tokens)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            if ddp:  # all-reduce gradients only on the last micro-step (set before the forward)
+                ddp_model.require_backward_grad_sync = micro == accum - 1
+            docs = data.document_ids(x, meta["sep_id"]).to(device) if cfg.separate_documents else None
+            with autocast:
+                _, loss = ddp_model(x, labels=y, causal=cfg.objective == "clm", doc_ids=docs)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+            if micro == accum - 1:
+                loader_state = loader.state_dict()
+            x, y = next_batch(loader, device)  # the next batch, prepared while the GPU works
+        freeze.zero_frozen_grads(model, frozen)
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if ddp:
+            dist.all_reduce(loss_sum)  # a collective: the logged loss averages every rank
+        loss_value, norm_value = (torch.stack([loss_sum / accum / world, grad_norm.float()])).tolist()  # one sync
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # checked before the weights change
+            raise TrainError(f"non-finite loss {loss_value} or gradient norm {norm_value} at step {step + 1} (phase "
+                              f"{cfg.phase}); stopped before the update. The last checkpoint in {out_dir} is kept "
+                              f"as it was; lower --lr or check the data")
+        optimizer.step(lr)
+        for p in params:
+            p.grad = None
+        step += 1
+        phase_tokens += tokens_per_step
+
+        dt = time.time() - t0
+        timed += dt if step > first_step + 1 else 0.0  # the first step of an invocation warms up (compile, caches)
+        per_step = timed / (step - first_step - 1) if step > first_step + 1 else dt
+        record = dict(phase=cfg.phase, step=step, tokens=phase_tokens, loss=round(loss_value, 5), lr=lr,
+                      grad_norm=round(norm_value, 4), ms=round(dt * 1000, 1), tokens_per_s=round(tokens_per_step / dt),
+                      mfu=round(flops * tokens_per_step / dt / world / peak, 4) if peak else None)
+        if master:  # before the save, so that the checkpoint's copy of the log ends with this step
+            append_log(log_file, record)
+        print_step = step % cfg.log_interval == 0 or step == stop or step == first_step + 1
+        if step == stop or (cfg.save_interval and step % cfg.save_interval == 0):
+            # the state a checkpoint writes and a resume reads; all_gather is a collective: every rank gets here
+            checkpoint_state = dict(
+                phase=cfg.phase, step=optimizer.steps, phase_step=step, phase_tokens=phase_tokens,
+                total_tokens=sum(h["tokens"] for h in history) + phase_tokens, loader=loader_state,
+                rng=all_gather(rng_state(device), world), config=dataclasses.asdict(cfg), code=code_version(),
+                tokenizer=meta["tokenizer"], history=history)
+            if master:
+                save_checkpoint(out_dir, model, optimizer, checkpoint_state, tokenizer)
+                print(f"saved {out_dir} at step {step}")
+        if master and (step % cfg.eval_interval == 0 or step == total_steps):  # after the save: a crash here loses nothing
+            record.update(evaluate(model, cfg, meta, device, autocast))
+            append_log(log_file, dict(phase=cfg.phase, step=step, val_mlm=record["val_mlm"], val_clm=record["val_clm"]))
+            print_step = True
+        if print_step:
+            val = f" | val mlm {record['val_mlm']:.4f} clm {record['val_clm']:.4f}" if "val_mlm" in record else ""
+            mfu = f" | MFU {record['mfu']:.1%}" if peak else ""
+            print0(f"{cfg.phase} step {step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad "
+                   f"{norm_value:.3f} | {dt * 1000:.0f} ms | {record['tokens_per_s']:,} tok/s{mfu}{val} | "
+                   f"eta {duration(per_step * (stop - step))}")
+
+    # ---- summary ------------------------------------------------------------------------------------
+    elapsed = time.time() - t_start
+    print0("-" * 100)
+    if step < total_steps:
+        print0(f"stopped at step {step} of {total_steps} (--max_steps) after {duration(elapsed)}; continue with:\n"
+               f"    python train.py --resume --out_dir={out_dir}")
+        return
+    val = f"; validation MLM {record['val_mlm']:.4f}, CLM {record['val_clm']:.4f}" if "val_mlm" in record else ""
+    print0(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {phase_tokens:,} tokens in {step} steps, "
+           f"{duration(elapsed)} this invocation\nfinal train loss {record.get('loss', float('nan')):.4f}{val}\n"
+           f"the model: {out_dir}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files)\n"
+           f"use it:    python -c \"from transformers import pipeline; "
+           f"print(pipeline('fill-mask', model='{out_dir}')('The [MASK] of the function.'))\"")
+    if cfg.phase != "decay":
+        print0(f"next:      python train.py --phase=decay --init_from={out_dir}   # the MLM decay (SPEC §3)")
+
+
+def cli(argv=None):
+    """`error: ...` and exit status 2 for bad input, on rank 0 only; never a traceback for a user's mistake."""
+    try:
+        main(argv)
+    except (TrainError, data.DataError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        e.__traceback__ = None  # drop main()'s frames now: they hold the run directory's lock
+        raise SystemExit(2) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    cli()
