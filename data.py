@@ -13,6 +13,7 @@ import ast
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -85,10 +86,40 @@ def bytes_config():
                              [special_token(name, 256 + i) for i, name in enumerate(SPECIALS)], None)
 
 
+# Ids index tables (special-token masks, embeddings): anything above this is a corrupt or crafted file, not a vocabulary.
+MAX_VOCAB = 1 << 24
+ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+
+
+def check_tokenizer_json(config, spec):
+    """The structure and id range of a tokenizer.json, checked before anything is sized by its ids."""
+    def require(ok, expected):
+        if not ok:
+            raise DataError(f"{spec}: not a usable tokenizer.json: {expected}")
+    is_id = lambda i: type(i) is int  # noqa: E731 -- JSON 4e9 is a float, true is a bool: neither is an id
+    require(isinstance(config, dict) and isinstance(config.get("model"), dict), "expected an object with a 'model'")
+    model, added = config["model"], config.get("added_tokens") or []
+    vocab, merges = model.get("vocab"), model.get("merges", [])
+    require(isinstance(vocab, dict) and vocab and all(map(is_id, vocab.values())),
+            "model.vocab must be a non-empty object of token -> integer id")
+    require(isinstance(merges, list) and all(isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(
+        isinstance(p, str) for p in m)) for m in merges), "model.merges must be a list of 'a b' or [a, b]")
+    require(isinstance(added, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str) and
+                                            is_id(t.get("id")) and all(f in t for f in ADDED_TOKEN_FLAGS) for t in added),
+            f"added_tokens must be objects with a string content, an integer id and {', '.join(ADDED_TOKEN_FLAGS)}")
+    for key in ("normalizer", "pre_tokenizer"):
+        require(isinstance(config.get(key) or {}, dict), f"{key} must be an object or null")
+    ids = {*vocab.values(), *(t["id"] for t in added)}
+    require(min(ids) >= 0 and max(ids) < MAX_VOCAB, f"token ids must lie in [0, {MAX_VOCAB}), found {max(ids)}")
+    require(max(ids) < 2 * len(ids), f"ids reach {max(ids)} but only {len(ids)} are used (holes larger than the "
+                                     f"vocabulary)")
+
+
 class Tokenizer:
     """A byte-level BPE tokenizer.json run by tiktoken, splitting added tokens the way Hugging Face does."""
 
     def __init__(self, config, spec):
+        check_tokenizer_json(config, spec)
         self.spec, self.config = spec, config
         model, pre = config.get("model") or {}, config.get("pre_tokenizer") or {}
         def require(ok, field, expected):
@@ -377,21 +408,39 @@ def choose_documents(lengths, names, mix, val_fraction, seed):
     return train, val
 
 
-def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005, seed=1337, workers=None):
-    """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict."""
-    t0 = time.time()
-    tokenizer = load_tokenizer(tokenizer_spec)
-    paths = [Path(p) for p in inputs]
-    names = [p.stem for p in paths]
+def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
+    """Every argument of `prepare` checked before any tokenizing; creates out (a probe file proves it writable)."""
     for p in paths:
         if not p.is_file():
             raise DataError(f"{p}: input file not found")
-    if not paths or len(set(names)) != len(names):
-        raise DataError(f"inputs need distinct file names (source name = file stem), got {names}")
-    if mix is not None and (set(mix) != set(names) or min(mix.values()) < 0 or sum(mix.values()) <= 0):
-        raise DataError(f"--mix names {sorted(mix)} must be exactly the sources {sorted(names)}, with weights >= 0")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    weights = list((mix or {}).values())
+    for ok, message in [
+        (paths and len(set(names)) == len(names), f"--input needs distinct file names (source name = stem), got {names}"),
+        (mix is None or set(mix) == set(names), f"--mix names {sorted(mix or [])} must be exactly the sources "
+                                                f"{sorted(names)}"),
+        (all(math.isfinite(w) and w >= 0 for w in weights) and (mix is None or sum(weights) > 0),
+         f"--mix weights must be finite, >= 0 and not all 0, got {weights}"),
+        (math.isfinite(val_fraction) and 0 < val_fraction < 1, f"--val_fraction={val_fraction}: expected a number "
+                                                               f"in (0, 1); the validation split cannot be empty"),
+        (type(seed) is int and seed >= 0, f"--seed={seed}: expected an integer >= 0"),
+        (workers is None or (type(workers) is int and workers >= 1), f"--workers={workers}: expected an integer >= 1"),
+        (not out.exists() or out.is_dir(), f"--out={out}: is a file, expected a directory")]:
+        if not ok:
+            raise DataError(message)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise DataError(f"--out={out}: cannot write there ({e.strerror or e})") from None
+
+
+def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005, seed=1337, workers=None):
+    """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict."""
+    t0 = time.time()
+    paths, out = [Path(p) for p in inputs], Path(out_dir)
+    names = [p.stem for p in paths]
+    check_prepare_args(paths, names, out, mix, val_fraction, seed, workers)
+    tokenizer = load_tokenizer(tokenizer_spec)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
     tmp = {k: out / f".{k}.tmp" for k in [*(f"{n}.tokens" for n in names), "train.bin", "val.bin", "meta.json"]}
     bar = progress(sum(p.stat().st_size for p in paths), f"tokenizing into {out}")
@@ -400,6 +449,11 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                    for p, n in zip(paths, names)]
         lengths = [lens for lens, _ in sources]
         train, val = choose_documents(lengths, names, mix, val_fraction, seed)
+        if not sum(map(len, val)):
+            counts = ", ".join(f"{p} has {len(lens)}" for p, lens in zip(paths, lengths))
+            raise DataError(f"--input: the validation split is empty ({counts} document(s)); val needs at least one "
+                            f"document and train keeps one per input, so give an input 2 or more documents (.txt: "
+                            f"separated by a blank line)")
         splits = {}
         tokens = [np.memmap(tmp[f"{n}.tokens"], dtype=dtype, mode="r") for n in names]
         starts = [np.concatenate([[0], np.cumsum(lens)]) for lens in lengths]
@@ -439,13 +493,33 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
 
 
 def load_meta(data_dir):
-    """Read data_dir/meta.json, stopping with a message that names the file when it is missing or unreadable."""
+    """Read and check data_dir/meta.json, stopping with a message that names the file and what was expected."""
     path = Path(data_dir) / "meta.json"
     meta = read_json(path, "not found; run `python data.py prepare ...` (or `python data.py` for the demo)")
-    keys = ("format", "dtype", "vocab_size", "tokenizer", "tokenizer_fingerprint", "sep_id", "mask_id", "special_ids")
+    keys = ("format", "dtype", "vocab_size", "tokenizer", "tokenizer_fingerprint", "cls_id", "sep_id", "pad_id",
+            "mask_id", "special_ids", "splits")
     if not isinstance(meta, dict) or meta.get("format") != 1 or not all(k in meta for k in keys):
         raise DataError(f"{path}: not a format-1 meta.json written by `data.py prepare` (needs keys {', '.join(keys)})")
+    vocab, dtype = meta["vocab_size"], meta["dtype"]
+    ids = [meta[f"{n}_id"] for n in ("cls", "sep", "pad", "mask")]
+    ids += meta["special_ids"] if isinstance(meta["special_ids"], list) else [None]
+    for ok, expected in [
+        (type(vocab) is int and 0 < vocab <= MAX_VOCAB, f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
+        (dtype in ("uint16", "uint32"), f"dtype uint16 or uint32, got {dtype!r}"),
+        (dtype != "uint16" or vocab <= 1 << 16, f"dtype uint32 for vocab_size {vocab} (uint16 holds ids < 65536)"),
+        (all(type(i) is int and 0 <= i < vocab for i in ids), f"cls/sep/pad/mask_id and special_ids integers below "
+                                                               f"vocab_size {vocab}, got {ids}"),
+        (all(isinstance(meta[k], str) for k in ("tokenizer", "tokenizer_fingerprint")), "tokenizer strings")]:
+        if not ok:
+            raise DataError(f"{path}: expected {expected}")
     return meta
+
+
+def count_windows(data_dir, split, seq_len):
+    """Number of seq_len windows in data_dir/{split}.bin, from its size alone (no scan)."""
+    if type(seq_len) is not int or seq_len < 1:
+        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
+    return bin_tokens(Path(data_dir) / f"{split}.bin", np.dtype(load_meta(data_dir)["dtype"])) // seq_len
 
 
 def stdlib_docstrings(max_bytes=1_000_000):
@@ -488,15 +562,20 @@ def prepare_demo(out_dir="data/demo"):
 # ----------------------------------------------------------------------------
 # Batches
 
-def check_bin(path, dtype, vocab_size):
-    """Number of tokens in a .bin, after checking its size and (one chunked scan) that every id is < vocab_size."""
+def bin_tokens(path, dtype):
+    """Number of tokens in a .bin, from its size, after checking that the size fits the dtype."""
     if not path.is_file():
         raise DataError(f"{path}: not found")
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise DataError(f"{path}: size {size} bytes is not a multiple of {dtype.name} ({dtype.itemsize} bytes); "
                         f"truncated or wrong dtype")
-    n = size // dtype.itemsize
+    return size // dtype.itemsize
+
+
+def check_bin(path, dtype, vocab_size):
+    """Number of tokens in a .bin, after checking its size and (one chunked scan) that every id is < vocab_size."""
+    n = bin_tokens(path, dtype)
     if n:
         tokens = np.memmap(path, dtype=dtype, mode="r")
         top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, n, 1 << 24))
@@ -616,9 +695,16 @@ def parse_mix(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected name=weight,name=weight") from None
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error: ...` line and exit code 2, like every other bad input here."""
+
+    def error(self, message):
+        raise DataError(f"{self.prog}: {message}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description="Prepare token data (no arguments: build data/demo).")
+    parser = Parser(description="Prepare token data (no arguments: build data/demo).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin and meta.json")
     p.add_argument("--input", nargs="+", required=True, help=".jsonl, .txt (blank-line separated) or .parquet")

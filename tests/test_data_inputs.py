@@ -1,0 +1,163 @@
+"""data.py bad inputs, table-driven: each ends in exit code 2 and ONE line `error: ...` naming the flag or file,
+before any tokenizing; meta.json and tokenizer.json are checked for structure and id range before any allocation."""
+import json
+import os
+
+import pytest
+
+import data
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def run_cli(argv, capsys):
+    """(exit code, stderr) of data.main(argv), in process: the subprocess path is tested in test_data.py."""
+    with pytest.raises(SystemExit) as e:
+        data.main([str(a) for a in argv])
+    return e.value.code, capsys.readouterr().err
+
+
+def byte_tokenizer_with(edit):
+    """A function of the tmp dir writing odd.json: the byte tokenizer's tokenizer.json after edit(config)."""
+    def build(tmp):
+        config = data.bytes_config()
+        config = edit(config) or config
+        (tmp / "odd.json").write_text(json.dumps(config))
+        return tmp / "odd.json"
+    return build
+
+
+def not_a_tokenizer(config):
+    return byte_tokenizer_with(lambda _: config)
+
+
+def read_only_dir(tmp):
+    """A directory this process cannot write to: chmod is no obstacle to root, sysfs is."""
+    if os.geteuid() == 0:
+        return "/sys"
+    (tmp / "ro").mkdir()
+    (tmp / "ro").chmod(0o555)
+    return tmp / "ro"
+
+
+GOOD = ["--tokenizer", "bytes"]
+# (case, extra argv given the tmp dir, the words the one error line must contain)
+CASES = [
+    ("val_fraction 0", lambda t: ["--val_fraction", "0"], ["--val_fraction=0.0", "(0, 1)"]),
+    ("val_fraction negative", lambda t: ["--val_fraction", "-0.1"], ["--val_fraction=-0.1"]),
+    ("val_fraction NaN", lambda t: ["--val_fraction", "nan"], ["--val_fraction=nan"]),
+    ("val_fraction 1", lambda t: ["--val_fraction", "1"], ["--val_fraction=1.0"]),
+    ("val_fraction above 1", lambda t: ["--val_fraction", "1.5"], ["--val_fraction=1.5"]),
+    ("val_fraction not a number", lambda t: ["--val_fraction", "half"], ["--val_fraction", "half"]),
+    ("one-document input", lambda t: ["--input", write_jsonl(t / "one.jsonl", ["only document"])],
+     ["--input", "one.jsonl has 1 document", "validation split is empty"]),
+    ("one huge line", lambda t: ["--input", t / "line.txt"],
+     ["--input", "line.txt has 1 document", "validation split is empty"]),
+    ("out is a file", lambda t: ["--out", t / "corpus.jsonl"], ["--out=", "corpus.jsonl", "is a file"]),
+    ("out under a file", lambda t: ["--out", t / "corpus.jsonl" / "sub"], ["--out=", "cannot write"]),
+    ("out read-only", lambda t: ["--out", read_only_dir(t)], ["--out=", "cannot write"]),
+    ("tokenizer: JSON list", lambda t: ["--tokenizer", not_a_tokenizer([1, 2])(t)], ["odd.json", "'model'"]),
+    ("tokenizer: no model", lambda t: ["--tokenizer", not_a_tokenizer({"name": "x"})(t)], ["odd.json", "'model'"]),
+    ("tokenizer: no vocab", lambda t: ["--tokenizer", not_a_tokenizer({"model": {"type": "BPE"}})(t)],
+     ["odd.json", "model.vocab"]),
+    ("tokenizer: vocab a list", lambda t: ["--tokenizer", not_a_tokenizer({"model": {"vocab": ["a"]}})(t)],
+     ["odd.json", "model.vocab"]),
+    ("tokenizer: merges not pairs", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["model"].update(merges=[["a", "b", "c"]]))(t)], ["odd.json", "model.merges"]),
+    ("tokenizer: added token id 4e9", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["added_tokens"][3].update(id=4e9))(t)], ["odd.json", "added_tokens", "integer id"]),
+    ("tokenizer: added token id 4000000000", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["added_tokens"][3].update(id=4_000_000_000))(t)], ["odd.json", "4000000000", "[0, 16777216)"]),
+    ("tokenizer: vocab id 4000000000", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["model"]["vocab"].update(a=4_000_000_000))(t)], ["odd.json", "4000000000"]),
+    ("tokenizer: holes", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["added_tokens"][3].update(id=1_000_000))(t)], ["odd.json", "holes larger than the vocabulary"]),
+    ("tokenizer: added token without flags", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["added_tokens"][0].pop("normalized"))(t)], ["odd.json", "normalized"]),
+    ("tokenizer: normalizer a string", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c.update(normalizer="NFC"))(t)], ["odd.json", "normalizer"]),
+    ("mix NaN", lambda t: ["--mix", "corpus=nan"], ["--mix", "finite"]),
+    ("mix inf", lambda t: ["--mix", "corpus=inf"], ["--mix", "finite"]),
+    ("mix negative", lambda t: ["--mix", "corpus=-1"], ["--mix", ">= 0"]),
+    ("mix unknown source", lambda t: ["--mix", "other=1"], ["--mix", "other", "corpus"]),
+    ("mix syntax", lambda t: ["--mix", "corpus"], ["--mix", "name=weight"]),
+    ("workers 0", lambda t: ["--workers", "0"], ["--workers=0", ">= 1"]),
+    ("workers negative", lambda t: ["--workers", "-2"], ["--workers=-2"]),
+    ("seed negative", lambda t: ["--seed", "-1"], ["--seed=-1"]),
+    ("unknown flag", lambda t: ["--vocab", "5"], ["unrecognized arguments", "--vocab"]),
+]
+
+
+@pytest.mark.parametrize("case, extra, expected", CASES, ids=[c[0] for c in CASES])
+def test_prepare_bad_input(case, extra, expected, tmp_path, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", [f"document number {i}" for i in range(20)])
+    (tmp_path / "line.txt").write_text("word " * 400_000 + "\n")  # one 2 MB line: a single document
+    argv = ["prepare", "--input", tmp_path / "corpus.jsonl", "--out", tmp_path / "out", *GOOD, *extra(tmp_path)]
+    code, err = run_cli(argv, capsys)
+    lines = err.rstrip("\n").split("\n")  # before the error there may be a progress bar, nothing else
+    assert code == 2 and lines[-1].startswith("error: ") and err.count("error") == 1, err
+    assert "Traceback" not in err and all(w in lines[-1] for w in expected), err
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_prepare_good_input_passes_the_same_checks(tmp_path, capsys):
+    """The table's base command is valid, so every failure above is due to its one changed flag."""
+    write_jsonl(tmp_path / "corpus.jsonl", [f"document number {i}" for i in range(20)])
+    data.main(["prepare", "--input", str(tmp_path / "corpus.jsonl"), "--out", str(tmp_path / "out"), *GOOD,
+               "--workers", "1", "--val_fraction", "0.1"])
+    assert data.load_meta(tmp_path / "out")["splits"]["val"]["documents"] == 2
+
+
+# ----------------------------------------------------------------------------
+# meta.json: structure, dtype and ids, all named as meta.json errors
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("meta")
+    data.prepare([write_jsonl(tmp / "c.jsonl", [f"text {i} " * 50 for i in range(40)])], "bytes", tmp / "d",
+                 val_fraction=0.1)
+    return tmp / "d"
+
+
+META_CASES = [
+    ("float16 dtype", lambda m: m.update(dtype="float16"), "dtype uint16 or uint32"),
+    ("int64 dtype", lambda m: m.update(dtype="int64"), "dtype uint16 or uint32"),
+    ("uint16 for a large vocabulary", lambda m: m.update(vocab_size=70_000), "dtype uint32 for vocab_size 70000"),
+    ("vocab_size 4e9", lambda m: m.update(vocab_size=4e9), "vocab_size an integer"),
+    ("vocab_size 2**30", lambda m: m.update(vocab_size=2 ** 30, dtype="uint32"), "vocab_size an integer"),
+    ("vocab_size 0", lambda m: m.update(vocab_size=0), "vocab_size an integer"),
+    ("no pad_id", lambda m: m.pop("pad_id"), "needs keys"),
+    ("no cls_id", lambda m: m.pop("cls_id"), "needs keys"),
+    ("no splits", lambda m: m.pop("splits"), "needs keys"),
+    ("mask_id beyond the vocabulary", lambda m: m.update(mask_id=10 ** 6), "below vocab_size 260"),
+    ("negative sep_id", lambda m: m.update(sep_id=-1), "below vocab_size 260"),
+    ("special id beyond the vocabulary", lambda m: m["special_ids"].append(260), "below vocab_size 260"),
+    ("special_ids not a list", lambda m: m.update(special_ids=5), "special_ids"),
+    ("tokenizer not a string", lambda m: m.update(tokenizer=None), "tokenizer strings"),
+    ("not an object", lambda m: m.clear(), "needs keys"),
+]
+
+
+@pytest.mark.parametrize("case, edit, expected", META_CASES, ids=[c[0] for c in META_CASES])
+def test_bad_meta(case, edit, expected, prepared, tmp_path):
+    meta = json.loads((prepared / "meta.json").read_text())
+    edit(meta)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(data.DataError) as e:
+        data.load_meta(tmp_path)
+    assert "meta.json" in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_count_windows_is_the_loaders(prepared):
+    n = data.load_meta(prepared)["splits"]["val"]["tokens"]
+    for seq_len in (1, 7, 64, n // 2, n):
+        windows = data.count_windows(prepared, "val", seq_len)
+        assert windows == n // seq_len == data.Loader(prepared, "val", seq_len, 1, 1).n_windows
+    assert data.count_windows(prepared, "val", n + 1) == 0
+    with pytest.raises(data.DataError, match="seq_len"):
+        data.count_windows(prepared, "val", 0)
+    with pytest.raises(data.DataError, match="test.bin: not found"):
+        data.count_windows(prepared, "test", 8)
