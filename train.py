@@ -829,6 +829,12 @@ def cli(argv=None):
             print(f"error: {e}", file=sys.stderr)
         e.__traceback__ = None  # drop main()'s frames now: they hold the run directory's lock
         raise SystemExit(2) from None
+    except RuntimeError as e:  # gloo and NCCL report a collective that waited past --ddp_timeout like this
+        if not (dist.is_initialized() and "timed out" in str(e).lower()):
+            raise
+        print(f"error: rank {dist.get_rank()}: another process did not answer within --ddp_timeout; it stalled or "
+              f"died ({str(e).splitlines()[0][-120:]}). Resume with --resume", file=sys.stderr, flush=True)
+        os._exit(2)  # the process group cannot be torn down cleanly while a peer is stuck
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -294,3 +295,24 @@ def test_kill_at_each_point_of_the_save_resumes_bit_identically(function, call, 
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run.lock", "straight", "straight.lock"]
     assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_with_a_message(demo_corpus, tmp_path):
+    """SIGSTOP one of two processes mid-run: the other gives up after --ddp_timeout and the job ends."""
+    (tmp_path / "data").mkdir()
+    os.symlink(demo_corpus, tmp_path / "data" / "demo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "--phase=clm", "--ddp_timeout=5", "--log_interval=1"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in job.stdout:
+        if line.startswith("clm step 3/"):
+            break
+    ranks = subprocess.run(["pgrep", "-f", str(ROOT / "train.py")], capture_output=True, text=True).stdout.split()
+    stopped = [p for p in ranks if "RANK=1" in open(f"/proc/{p}/environ").read().split("\0")]
+    assert len(stopped) == 1
+    os.kill(int(stopped[0]), signal.SIGSTOP)
+    out = job.stdout.read()
+    job.wait()
+    assert job.returncode != 0 and "error: rank 0: another process did not answer within --ddp_timeout" in out
