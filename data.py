@@ -4,14 +4,17 @@ Data for continued pretraining of ModernBERT: tokenizer, corpus preparation, bat
     python data.py                                   # build data/demo from stdlib docstrings (no download)
     python data.py prepare --input a.jsonl b.txt --tokenizer answerdotai/ModernBERT-base --out data/mix \
         --mix a=0.7,b=0.3
+    python data.py tokenizer --input a.jsonl --vocab_size 8192 --out tok8k.json   # a small byte-level BPE
 
 Sections: tokenizer (a tokenizer.json run by tiktoken, ids identical to Hugging Face `tokenizers`),
-prepare (text files -> train.bin / val.bin / meta.json), batches (seeded windows, MLM masking, CLM labels).
+prepare (text files -> train.bin / val.bin / meta.json), a small tokenizer (byte-level BPE learned from the corpus),
+batches (seeded windows, MLM masking, CLM labels).
 """
 import argparse
 import ast
 import functools
 import hashlib
+import heapq
 import json
 import math
 import os
@@ -21,6 +24,7 @@ import sysconfig
 import tempfile
 import time
 import unicodedata
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -408,14 +412,41 @@ def choose_documents(lengths, names, mix, val_fraction, seed):
     return train, val
 
 
-def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
-    """Every argument of `prepare` checked before any tokenizing; creates out (a probe file proves it writable)."""
+def make_writable_dir(folder, out):
+    """Create folder; a probe file proves it writable (permission bits do not stop root, a read-only mount does)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise DataError(f"--out={out}: cannot write there ({e.strerror or e})") from None
+
+
+def check_inputs(paths):
+    if not paths:
+        raise DataError("--input: expected one or more text files")
     for p in paths:
         if not p.is_file():
             raise DataError(f"{p}: input file not found")
+
+
+def check_tokenizer_args(paths, vocab_size, out):
+    """Every argument of `tokenizer` checked before the corpus is read."""
+    check_inputs(paths)
+    low = 256 + len(SPECIALS) + 1
+    if type(vocab_size) is not int or not low <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"--vocab_size={vocab_size}: expected an integer in [{low}, {MAX_VOCAB}] (256 bytes, "
+                        f"{len(SPECIALS)} special tokens and at least one merge)")
+    if out.suffix != ".json" or out.is_dir():
+        raise DataError(f"--out={out}: expected the path of a .json file to write")
+    make_writable_dir(out.parent, out)
+
+
+def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
+    """Every argument of `prepare` checked before any tokenizing; creates out."""
+    check_inputs(paths)
     weights = list((mix or {}).values())
     for ok, message in [
-        (paths and len(set(names)) == len(names), f"--input needs distinct file names (source name = stem), got {names}"),
+        (len(set(names)) == len(names), f"--input needs distinct file names (source name = stem), got {names}"),
         (mix is None or set(mix) == set(names), f"--mix names {sorted(mix or [])} must be exactly the sources "
                                                 f"{sorted(names)}"),
         (all(math.isfinite(w) and w >= 0 for w in weights) and (mix is None or sum(weights) > 0),
@@ -427,11 +458,7 @@ def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
         (not out.exists() or out.is_dir(), f"--out={out}: is a file, expected a directory")]:
         if not ok:
             raise DataError(message)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise DataError(f"--out={out}: cannot write there ({e.strerror or e})") from None
+    make_writable_dir(out, out)
 
 
 def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005, seed=1337, workers=None):
@@ -557,6 +584,95 @@ def prepare_demo(out_dir="data/demo"):
         src = Path(tmp) / "stdlib_docstrings.jsonl"
         src.write_text("".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings()))
         return prepare([src], "bytes", out_dir, val_fraction=0.01)
+
+
+# ----------------------------------------------------------------------------
+# A small tokenizer: byte-level BPE learned from the corpus (small models are mostly embedding with 50k tokens)
+
+def word_counts(paths, field="text"):
+    """How often each GPT-2 pre-token (the loader's split, after NFC) occurs in the documents of paths."""
+    import regex  # tiktoken's own dependency: the stdlib re has no \p{L}
+    split, counts = regex.compile(GPT2_PATTERN).findall, Counter()
+    for path in paths:
+        for text, _ in read_documents(path, field):
+            counts.update(split(unicodedata.normalize("NFC", text)))
+    return counts
+
+
+def merge_pair(word, a, b, new):
+    """word (a tuple of ids) with every non-overlapping (a, b), left to right, replaced by new."""
+    out, i = [], 0
+    while i < len(word):
+        if word[i] == a and i + 1 < len(word) and word[i + 1] == b:
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def learn_merges(counts, n_merges):
+    """(token bytes by id, merges as id pairs): the most frequent adjacent pair first, ties to the smallest ids.
+
+    Pair counts are updated incrementally: a merge revisits only the words that hold its pair (`where`), and a heap
+    with stale entries (skipped when their count is out of date) gives the next best pair."""
+    words, freqs = [tuple(w.encode()) for w in counts], list(counts.values())
+    pairs, where = Counter(), defaultdict(set)
+    for i, (word, f) in enumerate(zip(words, freqs)):
+        for pair in zip(word, word[1:]):
+            pairs[pair] += f
+            where[pair].add(i)
+    heap = [(-c, pair) for pair, c in pairs.items()]
+    heapq.heapify(heap)
+    tokens, merges = [bytes([b]) for b in range(256)], []
+    known = set(tokens)
+    while len(merges) < n_merges and heap:
+        count, (a, b) = heapq.heappop(heap)
+        if -count != pairs[(a, b)]:
+            continue
+        del pairs[(a, b)]
+        if tokens[a] + tokens[b] in known:  # a second spelling of a token: tiktoken ranks allow one merge per token
+            continue
+        new = len(tokens)
+        tokens.append(tokens[a] + tokens[b])
+        known.add(tokens[-1])
+        merges.append((a, b))
+        delta = Counter()
+        for i in where.pop((a, b)):
+            old, f = words[i], freqs[i]
+            words[i] = merge_pair(old, a, b, new)
+            for pair in zip(old, old[1:]):
+                delta[pair] -= f
+            for pair in zip(words[i], words[i][1:]):
+                delta[pair] += f
+                where[pair].add(i)
+        for pair, d in delta.items():
+            if d and pair != (a, b):
+                pairs[pair] += d
+                heapq.heappush(heap, (-pairs[pair], pair))
+    return tokens, merges
+
+
+def train_tokenizer(inputs, vocab_size, out, field="text"):
+    """Learn a byte-level BPE with vocab_size ids (the 4 special tokens last) and write it as a tokenizer.json."""
+    t0, paths, out = time.time(), [Path(p) for p in inputs], Path(out)
+    check_tokenizer_args(paths, vocab_size, out)
+    counts = word_counts(paths, field)
+    tokens, merges = learn_merges(counts, vocab_size - 256 - len(SPECIALS))
+    b2u = byte_to_unicode()
+    spell = ["".join(b2u[c] for c in t) for t in tokens]
+    added = [special_token(name, len(tokens) + i) for i, name in enumerate(SPECIALS)]
+    added[SPECIALS.index("[MASK]")]["lstrip"] = True  # as ModernBERT's: "a [MASK]" keeps the space out of the text
+    config = byte_level_config({s: i for i, s in enumerate(spell)}, [[spell[a], spell[b]] for a, b in merges], added,
+                               {"type": "NFC"})
+    tokenizer = Tokenizer(config, str(out))  # refuses anything tiktoken would run differently from `tokenizers`
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(tokenizer.hf_files["tokenizer.json"], encoding="utf-8")
+    os.replace(tmp, out)
+    print(f"{out}: {tokenizer.vocab_size:,} ids ({len(merges):,} merges) learned from {sum(counts.values()):,} words "
+          f"({len(counts):,} distinct) in {time.time() - t0:.1f} s")
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------
@@ -715,12 +831,20 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.005)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
+    t = sub.add_parser("tokenizer", help="learn a small byte-level BPE tokenizer.json from text files")
+    t.add_argument("--input", nargs="+", required=True, help=".jsonl, .txt (blank-line separated) or .parquet")
+    t.add_argument("--vocab_size", type=int, required=True, help="number of ids, the 4 special tokens included")
+    t.add_argument("--out", required=True, help="the tokenizer.json to write")
+    t.add_argument("--field", default="text", help="the text field of .jsonl/.parquet rows")
     try:
         if not argv:
             prepare_demo()
             return
         a = parser.parse_args(argv)
-        prepare(a.input, a.tokenizer, a.out, a.field, a.mix, a.val_fraction, a.seed, a.workers)
+        if a.command == "tokenizer":
+            train_tokenizer(a.input, a.vocab_size, a.out, a.field)
+        else:
+            prepare(a.input, a.tokenizer, a.out, a.field, a.mix, a.val_fraction, a.seed, a.workers)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -33,6 +33,11 @@ def hf_ids(hf, texts):
     return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
 
 
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A small byte-level BPE trained here with `tokenizers`: (path, HF tokenizer)."""
@@ -179,12 +184,80 @@ def test_unsupported_tokenizer_is_refused(trained, tmp_path, edit, words_):
 
 
 # ----------------------------------------------------------------------------
+# A small tokenizer learned by data.py
+
+def recount_merges(texts, n_merges):
+    """BPE by its definition, every pair recounted before each merge: the slow oracle for the incremental one.
+    Tokens are bytes; ties go to the smallest ids (a byte's id is its value, merge k makes id 256 + k)."""
+    import regex
+    from collections import Counter
+    pieces = Counter(w for t in texts for w in regex.findall(data.GPT2_PATTERN, unicodedata.normalize("NFC", t)))
+    words = Counter({tuple(bytes([c]) for c in w.encode()): f for w, f in pieces.items()})
+    ids, merges = {bytes([i]): i for i in range(256)}, []
+    while len(merges) < n_merges:
+        pairs = Counter()
+        for w, f in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += f
+        candidates = [p for p in pairs if p[0] + p[1] not in ids]
+        if not candidates:
+            break
+        a, b = min(candidates, key=lambda p: (-pairs[p], ids[p[0]], ids[p[1]]))
+        merges.append((ids[a], ids[b]))
+        ids[a + b] = 255 + len(merges)
+        merged = Counter()
+        for w, f in words.items():
+            out = []
+            for token in w:
+                if out and out[-1] == a and token == b:
+                    out[-1] = a + b
+                else:
+                    out.append(token)
+            merged[tuple(out)] += f
+        words = merged
+    return merges
+
+
+def test_learned_merges_equal_the_recount(tmp_path):
+    texts = [words(random.Random(8), 200) for _ in range(5)]
+    counts = data.word_counts([write_jsonl(tmp_path / "c.jsonl", texts)])
+    assert data.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A 600-id tokenizer learned by `python data.py tokenizer` from generated text, and the corpus (path, texts)."""
+    tmp = tmp_path_factory.mktemp("learned")
+    rng = random.Random(9)
+    texts = [words(rng, 150) + " 😀 中文 naïve e\u0301t" for _ in range(80)]
+    corpus = write_jsonl(tmp / "corpus.jsonl", texts)
+    data.main(["tokenizer", "--input", str(corpus), "--vocab_size", "600", "--out", str(tmp / "tok.json")])
+    return tmp / "tok.json", corpus
+
+
+def test_learned_tokenizer_parity_with_hf(learned):
+    from tokenizers import Tokenizer
+    path, _ = learned
+    ours, hf = data.load_tokenizer(path), Tokenizer.from_file(str(path))
+    held_out = TRICKY + [words(random.Random(10), 400), "ka[MASK]lo  [MASK] [CLS]x[SEP][PAD]", "e\u0301t\u0301"]
+    assert [ours.encode(t) for t in held_out] == hf_ids(hf, held_out)
+    assert (ours.vocab_size, ours.cls_id, ours.sep_id, ours.pad_id, ours.mask_id) == (600, 596, 597, 598, 599)
+    assert ours.special_ids == [596, 597, 598, 599] and hf.get_vocab_size() == 600
+    assert ours.encode("zu  [MASK]") == ours.encode("zu") + [599]  # [MASK] swallows the space on its left
+    assert len(ours.encode(held_out[-2])) < len(held_out[-2].encode()) / 2  # merges were learned and are used
+
+
+def test_learned_tokenizer_is_deterministic(learned, tmp_path):
+    path, corpus = learned
+    data.train_tokenizer([corpus], 600, tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+    data.train_tokenizer([corpus], 500, tmp_path / "smaller.json")
+    small, big = json.loads((tmp_path / "smaller.json").read_text()), json.loads(path.read_text())
+    assert small["model"]["merges"] == big["model"]["merges"][:500 - 260]  # a prefix: the order is by count
+
+
+# ----------------------------------------------------------------------------
 # Prepare
-
-def write_jsonl(path, texts):
-    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
-    return path
-
 
 @pytest.fixture(scope="module")
 def byte_data(tmp_path_factory):

@@ -111,6 +111,33 @@ def test_prepare_good_input_passes_the_same_checks(tmp_path, capsys):
     assert data.load_meta(tmp_path / "out")["splits"]["val"]["documents"] == 2
 
 
+TOKENIZER_CASES = [
+    ("vocab_size 0", lambda t: ["--vocab_size", "0"], ["--vocab_size=0", "[261, 16777216]"]),
+    ("vocab_size without merges", lambda t: ["--vocab_size", "260"], ["--vocab_size=260"]),
+    ("vocab_size 2**30", lambda t: ["--vocab_size", str(2 ** 30)], ["--vocab_size=1073741824"]),
+    ("vocab_size not a number", lambda t: ["--vocab_size", "8k"], ["--vocab_size", "8k"]),
+    ("out a directory", lambda t: ["--out", t], ["--out=", ".json file"]),
+    ("out not .json", lambda t: ["--out", t / "tok.txt"], ["--out=", "tok.txt", ".json file"]),
+    ("out under a file", lambda t: ["--out", t / "corpus.jsonl" / "tok.json"], ["--out=", "cannot write"]),
+    ("out read-only", lambda t: ["--out", f"{read_only_dir(t)}/tok.json"], ["--out=", "cannot write"]),
+    ("input missing", lambda t: ["--input", t / "gone.jsonl"], ["gone.jsonl", "not found"]),
+    ("input unreadable", lambda t: ["--input", t / "line.txt", t / "bad.jsonl"], ["bad.jsonl:1", "JSON object"]),
+]
+
+
+@pytest.mark.parametrize("case, extra, expected", TOKENIZER_CASES, ids=[c[0] for c in TOKENIZER_CASES])
+def test_tokenizer_bad_input(case, extra, expected, tmp_path, capsys):
+    write_jsonl(tmp_path / "corpus.jsonl", ["some text", "more text"])
+    (tmp_path / "line.txt").write_text("a line\n")
+    (tmp_path / "bad.jsonl").write_text("[1]\n")
+    argv = ["tokenizer", "--input", tmp_path / "corpus.jsonl", "--vocab_size", "300", "--out", tmp_path / "t.json",
+            *extra(tmp_path)]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and all(w in err for w in expected), err
+    assert not (tmp_path / "t.json").exists()
+
+
 # ----------------------------------------------------------------------------
 # meta.json: structure, dtype and ids, all named as meta.json errors
 
