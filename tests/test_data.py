@@ -4,6 +4,7 @@ import random
 import unicodedata
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,10 +281,9 @@ def test_prepare_is_deterministic_and_counts(tmp_path):
     meta = metas[0]
     assert sorted(p.name for p in (tmp_path / "o1").iterdir()) == ["meta.json", "train.bin", "val.bin"]
     assert [s["documents"] for s in meta["sources"]] == [50, 3]
-    assert meta["splits"]["val"]["per_source"] == {"a": {"tokens": meta["splits"]["val"]["per_source"]["a"]["tokens"],
-                                                         "documents": 5}, "b": {"tokens": meta["splits"]["val"]
-                                                         ["per_source"]["b"]["tokens"], "documents": 1}}
+    assert {k: v["documents"] for k, v in meta["splits"]["val"]["per_source"].items()} == {"a": 5, "b": 1}
     docs = {"train": [], "val": []}
+    b_docs = {"first doc\nstill first", "second doc", "third"}
     for split in docs:
         tokens = np.fromfile(tmp_path / "o1" / f"{split}.bin", dtype=np.uint16)
         assert len(tokens) == meta["splits"][split]["tokens"]
@@ -291,7 +291,12 @@ def test_prepare_is_deterministic_and_counts(tmp_path):
         ends = np.flatnonzero(tokens == 257)
         assert np.all(tokens[ends[:-1] + 1] == 256) and len(ends) == meta["splits"][split]["documents"]
         docs[split] = [bytes(d[1:-1].astype(np.uint8)).decode() for d in np.split(tokens, ends + 1)[:-1]]
-    b_docs = {"first doc\nstill first", "second doc", "third"}
+        per_source = meta["splits"][split]["per_source"]
+        for name, mine in (("a", [d for d in docs[split] if d not in b_docs]), ("b", [d for d in docs[split]
+                                                                                     if d in b_docs])):
+            # the byte tokenizer: one token per UTF-8 byte, plus [CLS] and [SEP] per document
+            assert per_source[name] == {"tokens": sum(len(d.encode()) + 2 for d in mine), "documents": len(mine)}
+        assert sum(v["tokens"] for v in per_source.values()) == meta["splits"][split]["tokens"]
     assert b_docs <= set(docs["train"]) | set(docs["val"]) and not set(docs["train"]) & set(docs["val"])
     assert len(docs["train"]) + len(docs["val"]) == 53  # no repeats without --mix
 
@@ -331,12 +336,13 @@ def test_parquet_input(tmp_path):
         data.prepare([path], "bytes", tmp_path / "out", field="body")
 
 
-def test_demo_subprocess(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "data.py")], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+def test_demo_subprocess(tmp_path, demo_corpus):
+    run = subprocess.run([sys.executable, str(ROOT / "data.py")], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     meta = data.load_meta(tmp_path / "data" / "demo")
     assert meta["tokenizer"] == "bytes" and meta["splits"]["train"]["tokens"] > 500_000
+    for name in ("train.bin", "val.bin"):  # the command builds what the shared fixture built: the demo is reproducible
+        assert (tmp_path / "data" / "demo" / name).read_bytes() == (Path(demo_corpus) / name).read_bytes()
     x, y = data.Loader(tmp_path / "data" / "demo", seq_len=512, batch_size=8, micro_batch_size=8).next()
     assert x.shape == y.shape == (8, 512)
 
