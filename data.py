@@ -95,21 +95,24 @@ MAX_VOCAB = 1 << 24
 ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
 
 
+def is_int(x):
+    return type(x) is int  # JSON's 4e9 is a float and true is a bool: neither is an id or a count
+
+
 def check_tokenizer_json(config, spec):
     """The structure and id range of a tokenizer.json, checked before anything is sized by its ids."""
     def require(ok, expected):
         if not ok:
             raise DataError(f"{spec}: not a usable tokenizer.json: {expected}")
-    is_id = lambda i: type(i) is int  # noqa: E731 -- JSON 4e9 is a float, true is a bool: neither is an id
     require(isinstance(config, dict) and isinstance(config.get("model"), dict), "expected an object with a 'model'")
     model, added = config["model"], config.get("added_tokens") or []
     vocab, merges = model.get("vocab"), model.get("merges", [])
-    require(isinstance(vocab, dict) and vocab and all(map(is_id, vocab.values())),
+    require(isinstance(vocab, dict) and vocab and all(map(is_int, vocab.values())),
             "model.vocab must be a non-empty object of token -> integer id")
     require(isinstance(merges, list) and all(isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(
         isinstance(p, str) for p in m)) for m in merges), "model.merges must be a list of 'a b' or [a, b]")
     require(isinstance(added, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str) and
-                                            is_id(t.get("id")) and all(f in t for f in ADDED_TOKEN_FLAGS) for t in added),
+                                            is_int(t.get("id")) and all(f in t for f in ADDED_TOKEN_FLAGS) for t in added),
             f"added_tokens must be objects with a string content, an integer id and {', '.join(ADDED_TOKEN_FLAGS)}")
     for key in ("normalizer", "pre_tokenizer"):
         require(isinstance(config.get(key) or {}, dict), f"{key} must be an object or null")
@@ -433,7 +436,7 @@ def check_tokenizer_args(paths, vocab_size, out):
     """Every argument of `tokenizer` checked before the corpus is read."""
     check_inputs(paths)
     low = 256 + len(SPECIALS) + 1
-    if type(vocab_size) is not int or not low <= vocab_size <= MAX_VOCAB:
+    if not is_int(vocab_size) or not low <= vocab_size <= MAX_VOCAB:
         raise DataError(f"--vocab_size={vocab_size}: expected an integer in [{low}, {MAX_VOCAB}] (256 bytes, "
                         f"{len(SPECIALS)} special tokens and at least one merge)")
     if out.suffix != ".json" or out.is_dir():
@@ -453,8 +456,8 @@ def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
          f"--mix weights must be finite, >= 0 and not all 0, got {weights}"),
         (math.isfinite(val_fraction) and 0 < val_fraction < 1, f"--val_fraction={val_fraction}: expected a number "
                                                                f"in (0, 1); the validation split cannot be empty"),
-        (type(seed) is int and seed >= 0, f"--seed={seed}: expected an integer >= 0"),
-        (workers is None or (type(workers) is int and workers >= 1), f"--workers={workers}: expected an integer >= 1"),
+        (is_int(seed) and seed >= 0, f"--seed={seed}: expected an integer >= 0"),
+        (workers is None or (is_int(workers) and workers >= 1), f"--workers={workers}: expected an integer >= 1"),
         (not out.exists() or out.is_dir(), f"--out={out}: is a file, expected a directory")]:
         if not ok:
             raise DataError(message)
@@ -531,10 +534,10 @@ def load_meta(data_dir):
     ids = [meta[f"{n}_id"] for n in ("cls", "sep", "pad", "mask")]
     ids += meta["special_ids"] if isinstance(meta["special_ids"], list) else [None]
     for ok, expected in [
-        (type(vocab) is int and 0 < vocab <= MAX_VOCAB, f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
+        (is_int(vocab) and 0 < vocab <= MAX_VOCAB, f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
         (dtype in ("uint16", "uint32"), f"dtype uint16 or uint32, got {dtype!r}"),
         (dtype != "uint16" or vocab <= 1 << 16, f"dtype uint32 for vocab_size {vocab} (uint16 holds ids < 65536)"),
-        (all(type(i) is int and 0 <= i < vocab for i in ids), f"cls/sep/pad/mask_id and special_ids integers below "
+        (all(is_int(i) and 0 <= i < vocab for i in ids), f"cls/sep/pad/mask_id and special_ids integers below "
                                                                f"vocab_size {vocab}, got {ids}"),
         (all(isinstance(meta[k], str) for k in ("tokenizer", "tokenizer_fingerprint")), "tokenizer strings")]:
         if not ok:
@@ -544,7 +547,7 @@ def load_meta(data_dir):
 
 def count_windows(data_dir, split, seq_len):
     """Number of seq_len windows in data_dir/{split}.bin, from its size alone (no scan)."""
-    if type(seq_len) is not int or seq_len < 1:
+    if not is_int(seq_len) or seq_len < 1:
         raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
     return bin_tokens(Path(data_dir) / f"{split}.bin", np.dtype(load_meta(data_dir)["dtype"])) // seq_len
 
@@ -629,7 +632,7 @@ def learn_merges(counts, n_merges):
     known = set(tokens)
     while len(merges) < n_merges and heap:
         count, (a, b) = heapq.heappop(heap)
-        if -count != pairs[(a, b)]:
+        if count == 0 or -count != pairs[(a, b)]:  # a pair gone from the corpus, or a stale entry
             continue
         del pairs[(a, b)]
         if tokens[a] + tokens[b] in known:  # a second spelling of a token: tiktoken ranks allow one merge per token
@@ -666,12 +669,15 @@ def train_tokenizer(inputs, vocab_size, out, field="text"):
     added[SPECIALS.index("[MASK]")]["lstrip"] = True  # as ModernBERT's: "a [MASK]" keeps the space out of the text
     config = byte_level_config({s: i for i, s in enumerate(spell)}, [[spell[a], spell[b]] for a, b in merges], added,
                                {"type": "NFC"})
-    tokenizer = Tokenizer(config, str(out))  # refuses anything tiktoken would run differently from `tokenizers`
+    tokenizer = Tokenizer(config, str(out))  # the loader's checks (ids in merge order, every byte) on what we learned
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(tokenizer.hf_files["tokenizer.json"], encoding="utf-8")
     os.replace(tmp, out)
     print(f"{out}: {tokenizer.vocab_size:,} ids ({len(merges):,} merges) learned from {sum(counts.values()):,} words "
           f"({len(counts):,} distinct) in {time.time() - t0:.1f} s")
+    if tokenizer.vocab_size < vocab_size:
+        print(f"warning: the corpus allows only {len(merges):,} merges, so the vocabulary has {tokenizer.vocab_size:,} "
+              f"ids, not --vocab_size={vocab_size:,}", file=sys.stderr)
     return tokenizer
 
 

@@ -139,6 +139,10 @@ def test_modernbert_save_pretrained_round_trip(modernbert, tmp_path):
     again = data.load_tokenizer(tmp_path / "tokenizer.json")
     assert again.fingerprint == ours.fingerprint
     assert [again.encode(t) for t in TRICKY] == [ours.encode(t) for t in TRICKY]
+    import transformers
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert [hf(t)["input_ids"] for t in TRICKY] == [[50281, *ours.encode(t), 50282] for t in TRICKY]
+    assert (hf.mask_token, hf.cls_token, hf.sep_token, hf.pad_token) == ("[MASK]", "[CLS]", "[SEP]", "[PAD]")
 
 
 @pytest.mark.parametrize("which", ["bytes", "trained"])
@@ -223,6 +227,14 @@ def test_learned_merges_equal_the_recount(tmp_path):
     texts = [words(random.Random(8), 200) for _ in range(5)]
     counts = data.word_counts([write_jsonl(tmp_path / "c.jsonl", texts)])
     assert data.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
+
+
+def test_learned_tokenizer_stops_when_the_corpus_runs_out(tmp_path, capsys):
+    texts = ["abab cd", "abab"]
+    tok = data.train_tokenizer([write_jsonl(tmp_path / "c.jsonl", texts)], 1000, tmp_path / "t.json")
+    merges = recount_merges(texts, 1000)
+    assert len(merges) == 4 and tok.vocab_size == 256 + 4 + 4 and tok.mask_id == 263  # ab, abab, " c", " cd"
+    assert tok.encode("abab cd") == [257, 259] and "allows only 4 merges" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
