@@ -6,8 +6,10 @@ Benchmarks (not tests): numbers to quote, medians of a few repeats, each against
 
 train: full training steps (forward, backward, optimizer) of our model and of transformers'
 ModernBertForMaskedLM with its fastest available attention and the same optimizer, on the same
-weights and batches: tokens/s, MFU (model.flops_per_token), peak memory, and the ratio to the peer.
-On a CPU it runs the tiny preset, so CI exercises it.
+weights and batches, the two models' steps interleaved so that a busy machine slows both alike:
+tokens/s, MFU (model.flops_per_token), the step's memory above the resident weights, and the ratio
+to the peer. On a CPU it runs tiny and base at 2 x 256 tokens, so CI exercises it. It also prints,
+labelled as a prediction, the activation memory of the paper's setting (base, 8192 tokens, micro-batch 4).
 data: tokenizer throughput against Hugging Face `tokenizers` on the same threads (and whether the ids agree),
 `prepare` end to end, and the loader's MLM batches of 8192-token sequences on one core.
 """
@@ -33,9 +35,6 @@ def timed(fn, repeats):
 
 
 def bench_data(args):
-    # the Rust thread pool reads these when `tokenizers` first runs: set them before importing it
-    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
     import torch
     from tokenizers import Tokenizer as HFTokenizer  # a test oracle, never a dependency of data.py
 
@@ -96,27 +95,30 @@ def causal_masks(seq_len, window, device):
     return {"full_attention": causal[None, None], "sliding_attention": (causal & (i[:, None] - i[None, :] <= window))[None, None]}
 
 
-def time_steps(step, device, warmup, steps):
-    """Median seconds of `steps` calls after `warmup`, synchronising the GPU around each; peak memory in GB."""
+def interleaved(steps, device, warmup, repeats):
+    """Median seconds per step of each function, called in turn (a, b, a, b, ...) so that load from other
+    processes hits all alike; on CUDA also the step's peak memory above what was allocated before it, in GB."""
     import torch
-    for _ in range(warmup):
-        step()
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), (torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
+    times, memory = [[] for _ in steps], [0.0 for _ in steps]
+    for i in range(warmup + repeats):
+        for k, step in enumerate(steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+                memory[k] = max(memory[k], (torch.cuda.max_memory_allocated(device) - before) / 1e9)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return [(statistics.median(t), m if cuda else None) for t, m in zip(times, memory)]
 
 
 def measure(args, preset, phase, seq_len, micro):
-    """One row: ours and the peer on the same weights, batch and optimizer."""
+    """One row: ours and the peer on the same weights, batch and optimizer, their steps interleaved."""
     import contextlib
 
     import torch
@@ -132,38 +134,10 @@ def measure(args, preset, phase, seq_len, micro):
     x, y = batch(cfg.vocab_size, micro, seq_len, phase, device)
     causal = phase == "clm"
     ours = ModernBERT(cfg, args.backend).to(device)
-    weights = {k: v.detach().clone() for k, v in ours.state_dict().items()}
     row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
                backend=ours.attention_backend(device))
     flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
     peak = peak_flops(device)
-
-    def run(model, forward, name):
-        opt = AdamW(ModernBERT.param_groups(model), 2e-4)
-
-        def step():
-            with autocast:
-                loss = forward(model)
-            loss.backward()
-            opt.step(2e-4)
-            for p in model.parameters():
-                p.grad = None
-        try:
-            seconds, memory = time_steps(step, device, args.warmup, args.steps)
-        except torch.cuda.OutOfMemoryError:
-            row[name] = "OOM"
-            return
-        row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3, memory_gb=memory,
-                         mfu=flops * micro * seq_len / seconds / peak if peak else None)
-
-    # ours
-    with torch.no_grad(), autocast:
-        row["loss_ours"] = ours.eval()(x, labels=y, causal=causal)[1].item()
-    if args.compile and device.type == "cuda":
-        for block in ours.model.layers:
-            block.compile()
-    run(ours.train(), lambda m: m(x, labels=y, causal=causal)[1], "ours")
-    del ours
 
     # the peer: same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
     attn = args.peer_attention
@@ -174,27 +148,82 @@ def measure(args, preset, phase, seq_len, micro):
                                            "model_type", "layer_types", "rope_parameters", "mask_token_id")},
                                            sparse_prediction=not causal, attn_implementation=attn)
     peer = transformers.ModernBertForMaskedLM(hf_cfg).to(device)
-    peer.load_state_dict(weights)
+    peer.load_state_dict(ours.state_dict())
     masks = causal_masks(seq_len, cfg.window, device) if causal else None
     row["peer_attention"] = attn
-    with torch.no_grad(), autocast:
-        row["loss_peer"] = peer.eval()(input_ids=x, labels=y, attention_mask=masks).loss.item()
-    run(peer.train(), lambda m: m(input_ids=x, labels=y, attention_mask=masks).loss, "peer")
-    del peer
+    forwards = {"ours": lambda: ours(x, labels=y, causal=causal)[1],
+                "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
+    for name, model in (("ours", ours), ("peer", peer)):
+        with torch.no_grad(), autocast:
+            row[f"loss_{name}"] = forwards[name]().item()
+        model.train()
+    if args.compile:
+        for block in ours.model.layers:  # regional compilation, as train.py does
+            block.compile()
+
+    def training_step(model, forward):
+        opt = AdamW(ModernBERT.param_groups(model), 2e-4)
+
+        def step():
+            with autocast:
+                loss = forward()
+            loss.backward()
+            opt.step(2e-4)
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    try:
+        results = interleaved([training_step(ours, forwards["ours"]), training_step(peer, forwards["peer"])],
+                              device, args.warmup, args.steps)
+    except torch.cuda.OutOfMemoryError:
+        results = None
+    for name, result in zip(("ours", "peer"), results or [None, None]):
+        if result is None:
+            row[name] = "OOM"
+            continue
+        seconds, memory = result
+        row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3, memory_gb=memory,
+                         mfu=flops * micro * seq_len / seconds / peak if peak else None)
+    del ours, peer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
+def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
+    """PREDICTION, on paper: bytes kept for backward in one micro-batch under bf16 autocast with the flash
+    backend (nothing quadratic in seq_len). Per token and block: the fp32 block input and mlp_norm input
+    (4d + 4d), the bf16 copies Wqkv and Wi read (2d + 2d), qkv (6d, alive through v), rotated q and k (2d + 2d),
+    the attention output (2d) and its log-sum-exp (4H), Wi's output (4I, alive through GELU's input and the
+    gate), GELU's output (2I) and mlp.Wo's input (2I): 24d + 8I + 4H bytes. Plus the embeddings and
+    final_norm (12d per token), the head on the predicted rows (12d) and the loss's fp32 weight gradient."""
+    d, i, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    tokens = seq_len * micro
+    per_token = cfg.num_hidden_layers * (24 * d + 8 * i + 4 * h) + 12 * d + mask_rate * 12 * d
+    return tokens * per_token + 4 * cfg.vocab_size * d
+
+
+def print_prediction():
+    from model import ModernBERTConfig
+    cfg = ModernBERTConfig.from_preset("base")
+    for phase, rate in (("mlm", 0.3), ("clm", 1.0)):
+        gb = activation_memory(cfg, 8192, 4, rate) / 2 ** 30
+        params = 149_655_232 * (4 + 4 + 8) / 2 ** 30  # fp32 weights, gradients, two Adam moments
+        print(f"PREDICTION (on paper, not measured): base {phase}, 4 x 8192 tokens, bf16 autocast, flash backend: "
+              f"activations {gb:.1f} GiB + weights, gradients and Adam moments {params:.1f} GiB")
+
+
 def bench_train(args):
     import torch
     cpu = args.device == "cpu"
-    presets = args.presets or (["tiny"] if cpu else ["base", "large"])
+    presets = args.presets or (["tiny", "base"] if cpu else ["base", "large"])
     seq_lens = args.seq_lens or ([256] if cpu else [8192, 1024])
     micro_tokens = args.micro_tokens or ([512] if cpu else [8192, 16384, 32768])
     print(f"torch {torch.__version__}, device {args.device}"
-          f"{' (' + torch.cuda.get_device_name(args.device) + ')' if not cpu else ''}, "
-          f"{args.warmup} warm-up + median of {args.steps} steps, compile={args.compile and not cpu}")
+          f"{' (' + torch.cuda.get_device_name(args.device) + ')' if not cpu else ''}, {torch.get_num_threads()} "
+          f"threads, {args.warmup} warm-up + median of {args.steps} interleaved steps, compile={args.compile}")
+    print_prediction()
     head = (f"{'preset':6} {'phase':5} {'seq':>5} {'micro':>5} {'attn':>5} | {'ours tok/s':>11} {'MFU':>6} {'GB':>6} | "
             f"{'peer tok/s':>11} {'MFU':>6} {'GB':>6} {'peer attn':>17} | {'ratio':>6} | {'loss ours':>9} {'peer':>9}")
     print(head + "\n" + "-" * len(head))
@@ -224,20 +253,97 @@ def format_row(r):
             f"{cells(r['peer'])} {r['peer_attention']:>17} | {ratio:>6} | {r['loss_ours']:>9.4f} {r['loss_peer']:>9.4f}")
 
 
+# ----------------------------------------------------------------------------
+# Command line: every flag and input file checked before any model is built
+
+
+class BenchError(ValueError):
+    """A bad flag or input file: main() prints it as one `error: ...` line and exits with code 2."""
+
+
+def check_args(args):
+    import torch
+
+    def require(ok, message):
+        if not ok:
+            raise BenchError(message)
+
+    require(args.threads >= 1, f"--threads={args.threads}: expected at least 1")
+    if args.command == "data":
+        require(args.repeats >= 1, f"--repeats={args.repeats}: expected at least 1")
+        require(args.corpus.is_file(), f"--corpus={args.corpus}: no such file (expected a JSONL file of texts)")
+        import data
+        try:
+            data.load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--tokenizer={args.tokenizer}: not a usable tokenizer ({str(e).splitlines()[0][:200]})")
+        return
+    from model import BACKENDS, PRESETS, pick_backend
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise BenchError(f"--device={args.device}: expected cpu, cuda or cuda:N") from None
+    require(device.type in ("cpu", "cuda"), f"--device={args.device}: expected cpu, cuda or cuda:N")
+    require(device.type != "cuda" or torch.cuda.is_available(), f"--device={args.device}: CUDA is not available here")
+    unknown = sorted(set(args.presets or []) - set(PRESETS))
+    require(not unknown, f"--presets: unknown {unknown}; expected some of {', '.join(PRESETS)}")
+    require(args.phases and set(args.phases) <= {"clm", "mlm"}, f"--phases={','.join(args.phases)}: expected clm, mlm or both")
+    require(all(1 <= t <= 8192 for t in args.seq_lens or []), "--seq_lens: expected lengths in [1, 8192]")
+    require(all(t >= 1 for t in args.micro_tokens or []), "--micro_tokens: expected positive token counts")
+    require(args.warmup >= 0, f"--warmup={args.warmup}: expected 0 or more")
+    require(args.steps >= 1, f"--steps={args.steps}: expected at least 1")
+    require(args.backend == "auto" or args.backend in BACKENDS, f"--backend={args.backend}: expected auto or one of "
+            f"{', '.join(BACKENDS)}")
+    try:
+        pick_backend(device, args.backend)
+    except ValueError as e:
+        raise BenchError(f"--backend={args.backend}: {e}") from None
+    require(args.peer_attention in ("auto", "sdpa", "eager", "flash_attention_2"),
+            f"--peer_attention={args.peer_attention}: expected auto, sdpa, eager or flash_attention_2")
+    require(args.json is None or Path(args.json).parent.is_dir(), f"--json={args.json}: its directory does not exist")
+
+
+def flag_list(kind):
+    def parse(text):
+        try:
+            return [kind(v) for v in text.split(",") if v]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def flag_bool(text):
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError("expected true or false")
+    return text.lower() in ("1", "true", "yes")
+
+
+def default_threads():
+    """OMP_NUM_THREADS when set (a shared machine's budget), else the cores this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, like every other bad input
+        self.exit(2, f"error: {message}\n")
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    csv = lambda kind: lambda text: [kind(v) for v in text.split(",")]  # noqa: E731
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     t = sub.add_parser("train", help="training steps of our model against transformers' ModernBertForMaskedLM")
-    t.add_argument("--device", default="cuda" if __import__("torch").cuda.is_available() else "cpu")
-    t.add_argument("--presets", type=csv(str), help="default base,large on GPU, tiny on CPU")
-    t.add_argument("--phases", type=csv(str), default=["clm", "mlm"])
-    t.add_argument("--seq_lens", type=csv(int), help="default 8192,1024 on GPU, 256 on CPU")
-    t.add_argument("--micro_tokens", type=csv(int), help="tokens per micro-batch, the sweep (default 8192,16384,32768)")
+    t.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    t.add_argument("--presets", type=flag_list(str), help="default base,large on GPU, tiny,base on CPU")
+    t.add_argument("--phases", type=flag_list(str), default=["clm", "mlm"])
+    t.add_argument("--seq_lens", type=flag_list(int), help="default 8192,1024 on GPU, 256 on CPU")
+    t.add_argument("--micro_tokens", type=flag_list(int), help="tokens per micro-batch, the sweep (default 8192,16384,32768)")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--steps", type=int, default=10)
-    t.add_argument("--compile", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
-                   help="torch.compile our blocks (CUDA only), as train.py does")
+    t.add_argument("--compile", type=flag_bool, default=None,
+                   help="torch.compile our blocks, as train.py does (default: on CUDA yes; on a CPU no, it does not pay)")
     t.add_argument("--backend", default="auto", help="our attention backend: auto, flash, flex, sdpa")
     t.add_argument("--peer_attention", default="auto", help="transformers attn_implementation (auto: fastest available)")
     t.add_argument("--json", help="also write the rows to this file")
@@ -245,10 +351,25 @@ def main():
     p = sub.add_parser("data", help="tokenizer, prepare and loader throughput")
     p.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus" / "e3c_en_clinical_cases.jsonl")
     p.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "modernbert" / "tokenizer.json")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(run=bench_data)
+    for command in (t, p):
+        command.add_argument("--threads", type=int, default=default_threads(),
+                             help="intra-op threads (default: OMP_NUM_THREADS, else the cores available)")
     args = parser.parse_args()
+    # the Rust thread pool reads these when `tokenizers` first runs: set them before anything imports it
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, args.threads))
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    import torch
+    if args.command == "train":
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        check_args(args)
+    except BenchError as e:
+        parser.exit(2, f"error: {e}\n")
+    torch.set_num_threads(args.threads)
+    if args.command == "train" and args.compile is None:
+        args.compile = torch.device(args.device).type == "cuda"
     args.run(args)
 
 

@@ -608,26 +608,43 @@ def pick_backend(device: torch.device, requested: str = "auto") -> str:
 # gradients are formed chunk by chunk there and only scaled by the incoming gradient in backward.
 
 
-def linear_cross_entropy(h, weight, bias, labels, chunk=4096):
-    """Equals F.cross_entropy(h @ weight.T + bias, labels, ignore_index=-100), value and gradients."""
+def linear_cross_entropy(h, weight, bias, labels, chunk=None):
+    """Equals F.cross_entropy(h @ weight.T + bias, labels, ignore_index=-100), value and gradients.
+    chunk: rows per (rows, vocab) logits block (default 4096 on CUDA, 1024 on a CPU, where the block is kept)."""
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk, with_grad)
+    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk or (4096 if h.is_cuda else 1024), with_grad)
 
 
 def _chunk_loss_and_grad(logits, target, with_grad):
     """A chunk's per-row loss and d loss / d logits = softmax - onehot (unscaled), in the logits' dtype.
-    The math is fp32 (at least): one log-softmax pass, then its exp in place; on CUDA it is compiled
-    into one fused pass over the (c, V) chunk."""
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-    loss = -logp.gather(1, target[:, None]).squeeze(1)
+    The math is fp32 (at least) and in place: fp32 logits are overwritten by the softmax. On CUDA it is
+    compiled into one fused pass over the (c, V) chunk."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    picked = z.gather(1, target[:, None])  # (c, 1), read before z is overwritten
+    m = z.amax(-1, keepdim=True)
+    e = z.sub_(m).exp_()  # in place: a fresh (c, V) block costs a CPU more in page faults than the math
+    total = e.sum(-1, keepdim=True)
+    loss = (m + total.log() - picked).squeeze(1)  # logsumexp - the target's logit
     if not with_grad:
         return loss, None
-    g = logp.exp_()  # softmax, written over the log-probabilities
-    g.scatter_add_(1, target[:, None], -torch.ones_like(loss[:, None]))
+    g = e.div_(total)  # softmax
+    g.scatter_add_(1, target[:, None], -torch.ones_like(picked))
     return loss, g.to(logits.dtype)
 
 
 _chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
+_cpu_logits = {}  # dtype -> the (rows, vocab) block reused by every chunk and step on a CPU
+
+
+def _logits(h, weight, bias):
+    """h @ weight.T + bias. On a CPU into a kept block: allocating it anew (fresh pages from the OS) each time
+    took longer than the matmul (CUDA's caching allocator reuses memory by itself)."""
+    if h.is_cuda or torch.is_autocast_enabled(h.device.type):
+        return F.linear(h, weight, bias)
+    n = h.shape[0] * weight.shape[0]
+    if _cpu_logits.get(h.dtype, torch.empty(0)).numel() < n:
+        _cpu_logits[h.dtype] = torch.empty(n, dtype=h.dtype)
+    return torch.addmm(bias, h, weight.t(), out=_cpu_logits[h.dtype][:n].view(h.shape[0], -1))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -641,7 +658,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
         for i in range(0, h.shape[0], chunk):
             hc, yc = h[i:i + chunk], labels[i:i + chunk]
-            logits = F.linear(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
+            logits = _logits(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
             valid = (yc != IGNORE_INDEX)[:, None]  # (c, 1)
             chunk_loss, g = step(logits, yc.clamp(min=0), with_grad)
             loss += (chunk_loss * valid.squeeze(1)).sum()
@@ -658,5 +675,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        return grad_h * grad, (grad_w * grad).to(ctx.dtypes[0]), (grad_b * grad).to(ctx.dtypes[1]), None, None, None
+        # in place: these weight-sized tensors are used once, and fresh ones cost page faults on a CPU
+        if getattr(ctx, "used", False):
+            raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported")
+        ctx.used = True
+        grad_h, grad_w, grad_b = (t.mul_(grad) for t in ctx.saved_tensors)
+        return grad_h, grad_w.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None

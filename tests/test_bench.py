@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+import bench
 from conftest import ROOT
 
 pytest.importorskip("transformers")
@@ -11,7 +12,8 @@ pytest.importorskip("transformers")
 
 def test_bench_train_prints_the_table_and_the_losses_agree():
     result = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", "--device=cpu", "--warmup=1", "--steps=1",
-                             "--seq_lens=160", "--micro_tokens=320"], capture_output=True, text=True, timeout=300)
+                             "--presets=tiny", "--seq_lens=160", "--micro_tokens=320", "--threads=1"],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("tiny")]
     assert [r[0].split()[1] for r in rows] == ["clm", "mlm"]
@@ -19,3 +21,51 @@ def test_bench_train_prints_the_table_and_the_losses_agree():
         assert row[-2].strip().endswith("x")  # the ratio to the peer
         ours, peer = map(float, row[-1].split())
         assert abs(ours - peer) <= 1e-4 * abs(peer)  # the same computation: same loss on the same batch
+    assert "1 threads" in result.stdout.splitlines()[0]
+    prediction = [line for line in result.stdout.splitlines() if line.startswith("PREDICTION")]
+    assert len(prediction) == 2 and all("base" in line and "4 x 8192" in line for line in prediction)
+
+
+BAD_FLAGS = [  # (arguments, what the one-line error must name)
+    (["train", "--presets=tiny,foo"], "--presets"),
+    (["train", "--steps=0"], "--steps"),
+    (["train", "--warmup=-1"], "--warmup"),
+    (["train", "--phases=xyz"], "--phases"),
+    (["train", "--seq_lens=0"], "--seq_lens"),
+    (["train", "--seq_lens=a,b"], "--seq_lens"),
+    (["train", "--micro_tokens=-5"], "--micro_tokens"),
+    (["train", "--device=foo"], "--device"),
+    (["train", "--device=cuda"], "--device"),  # this test machine has no CUDA (skipped where it does)
+    (["train", "--backend=flash"], "--backend"),
+    (["train", "--backend=xla"], "--backend"),
+    (["train", "--peer_attention=magic"], "--peer_attention"),
+    (["train", "--compile=maybe"], "--compile"),
+    (["train", "--threads=0"], "--threads"),
+    (["train", "--json=/nonexistent/dir/rows.json"], "--json"),
+    (["data", "--corpus=/nonexistent.jsonl"], "--corpus"),
+    (["data", f"--corpus={ROOT / 'bench.py'}", f"--tokenizer={ROOT / 'bench.py'}"], "--tokenizer"),
+    (["data", f"--corpus={ROOT / 'bench.py'}", "--tokenizer=/nonexistent/tokenizer.json"], "--tokenizer"),
+    (["data", "--repeats=0"], "--repeats"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", BAD_FLAGS)
+def test_bad_flags_are_one_line_errors(monkeypatch, capsys, argv, flag):
+    import torch
+    if "--device=cuda" in argv and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    with pytest.raises(SystemExit) as exit:
+        bench.main()
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and flag in err and "Traceback" not in err
+
+
+def test_activation_memory_prediction_grows_linearly_in_tokens():
+    from model import ModernBERTConfig
+    cfg = ModernBERTConfig.from_preset("base")
+    one, four = bench.activation_memory(cfg, 8192, 1), bench.activation_memory(cfg, 8192, 4)
+    fixed = 4 * cfg.vocab_size * cfg.hidden_size  # the loss's fp32 weight gradient
+    assert four - fixed == pytest.approx(4 * (one - fixed))
+    assert 15e9 < four < 30e9  # ~28 KB per token and block, 22 blocks, 32k tokens: fits an 80 GB H100
