@@ -90,13 +90,22 @@ def bytes_config():
                              [special_token(name, 256 + i) for i, name in enumerate(SPECIALS)], None)
 
 
-# Ids index tables (special-token masks, embeddings): anything above this is a corrupt or crafted file, not a vocabulary.
+# Ids size tables (special-token masks, embeddings): anything above this is a corrupt or crafted file, not a vocabulary
 MAX_VOCAB = 1 << 24
 ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
 
 
 def is_int(x):
     return type(x) is int  # JSON's 4e9 is a float and true is a bool: neither is an id or a count
+
+
+def is_merge(m):
+    return isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m))
+
+
+def is_added_token(t):
+    return (isinstance(t, dict) and isinstance(t.get("content"), str) and is_int(t.get("id"))
+            and all(f in t for f in ADDED_TOKEN_FLAGS))
 
 
 def check_tokenizer_json(config, spec):
@@ -109,15 +118,13 @@ def check_tokenizer_json(config, spec):
     vocab, merges = model.get("vocab"), model.get("merges", [])
     require(isinstance(vocab, dict) and vocab and all(map(is_int, vocab.values())),
             "model.vocab must be a non-empty object of token -> integer id")
-    require(isinstance(merges, list) and all(isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(
-        isinstance(p, str) for p in m)) for m in merges), "model.merges must be a list of 'a b' or [a, b]")
-    require(isinstance(added, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str) and
-                                            is_int(t.get("id")) and all(f in t for f in ADDED_TOKEN_FLAGS) for t in added),
+    require(isinstance(merges, list) and all(map(is_merge, merges)), "model.merges must be a list of 'a b' or [a, b]")
+    require(isinstance(added, list) and all(map(is_added_token, added)),
             f"added_tokens must be objects with a string content, an integer id and {', '.join(ADDED_TOKEN_FLAGS)}")
     for key in ("normalizer", "pre_tokenizer"):
         require(isinstance(config.get(key) or {}, dict), f"{key} must be an object or null")
     ids = {*vocab.values(), *(t["id"] for t in added)}
-    require(min(ids) >= 0 and max(ids) < MAX_VOCAB, f"token ids must lie in [0, {MAX_VOCAB}), found {max(ids)}")
+    require(min(ids) >= 0 and max(ids) < MAX_VOCAB, f"token ids must lie in [0, {MAX_VOCAB}), found {min(ids)} to {max(ids)}")
     require(max(ids) < 2 * len(ids), f"ids reach {max(ids)} but only {len(ids)} are used (holes larger than the "
                                      f"vocabulary)")
 
