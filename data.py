@@ -591,9 +591,20 @@ def prepare_demo(out_dir="data/demo"):
     except DataError:
         pass
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "stdlib_docstrings.jsonl"
-        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings()))
-        return prepare([src], "bytes", out_dir, val_fraction=0.01)
+        return prepare([write_docstrings(Path(tmp) / "stdlib_docstrings.jsonl")], "bytes", out_dir, val_fraction=0.01)
+
+
+def write_docstrings(path, max_bytes=1_000_000):
+    """General English text with no download: the standard library's docstrings as JSONL (reproduce.py's
+    stand-in for the general corpus a pretrained encoder saw). Written atomically; returns the path."""
+    if max_bytes < 1:
+        raise DataError(f"--max_bytes={max_bytes}: expected a positive size")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings(max_bytes)), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 # ----------------------------------------------------------------------------
@@ -849,6 +860,9 @@ def main(argv=None):
     t.add_argument("--vocab_size", type=int, required=True, help="number of ids, the 4 special tokens included")
     t.add_argument("--out", required=True, help="the tokenizer.json to write")
     t.add_argument("--field", default="text", help="the text field of .jsonl/.parquet rows")
+    d = sub.add_parser("docstrings", help="write the standard library's docstrings as JSONL (general text)")
+    d.add_argument("--out", required=True, help="the .jsonl to write")
+    d.add_argument("--max_bytes", type=int, default=1_000_000, help="stop after this much text")
     try:
         if not argv:
             prepare_demo()
@@ -856,6 +870,8 @@ def main(argv=None):
         a = parser.parse_args(argv)
         if a.command == "tokenizer":
             train_tokenizer(a.input, a.vocab_size, a.out, a.field)
+        elif a.command == "docstrings":
+            print(f"{write_docstrings(a.out, a.max_bytes)}: {Path(a.out).stat().st_size / 1e6:.1f} MB of docstrings")
         else:
             prepare(a.input, a.tokenizer, a.out, a.field, a.mix, a.val_fraction, a.seed, a.workers)
     except DataError as e:

@@ -522,3 +522,14 @@ def test_cli_error_has_no_traceback(tmp_path):
                           "--tokenizer", "bytes", "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.startswith("error: ") and "gone.txt" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_docstrings_command_writes_general_text(tmp_path, capsys):
+    out = tmp_path / "general.jsonl"
+    data.main(["docstrings", "--out", str(out), "--max_bytes", "20000"])
+    texts = [json.loads(line)["text"] for line in out.read_text(encoding="utf-8").splitlines()]
+    size = sum(len(t.encode()) for t in texts)
+    assert size >= 20000 and size - len(texts[-1].encode()) < 20000  # stops at the first docstring past the limit
+    with pytest.raises(SystemExit) as exit_info:
+        data.main(["docstrings", "--out", str(out), "--max_bytes", "0"])
+    assert exit_info.value.code == 2 and "--max_bytes=0" in capsys.readouterr().err
