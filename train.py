@@ -592,6 +592,31 @@ def check_data_fits_model(meta, config, cfg):
                           f"({config.max_position_embeddings})")
 
 
+def configure(flags, start, master, world):
+    """The checked configuration, the run we start from (None for fresh or a Hugging Face checkpoint), the
+    accumulation steps, and the lock on OUT. Rank 0 repairs an interrupted save before anyone reads OUT."""
+    if start == "resume":
+        if not flags.get("out_dir"):
+            raise TrainError("--resume needs --out_dir: the run directory to continue")
+        out_dir = os.path.normpath(flags["out_dir"])
+        lock = lock_run_dir(out_dir) if master else None
+        start_run = all_gather(recover(out_dir) if master else None, world)[0]  # a collective: every rank calls it
+        if start_run is None:
+            raise TrainError(f"--resume --out_dir={out_dir}: no complete checkpoint there (nor in .tmp or .old)")
+        start_run["dir"] = out_dir
+        cfg = resolve_config({**flags, "out_dir": out_dir}, saved=start_run["config"])
+        return cfg, check_config(cfg, world), start_run, lock
+    start_run = None
+    if start != "fresh":
+        start_run = recover_readonly(flags["init_from"])
+    cfg = resolve_config(flags, start_run=start_run if start == "handoff" else None)
+    accum = check_config(cfg, world)  # before OUT is created
+    lock = lock_run_dir(cfg.out_dir) if master else None
+    if master:
+        check_fresh_out_dir(cfg.out_dir)
+    return cfg, accum, start_run, lock
+
+
 # -----------------------------------------------------------------------------
 # The run.
 
@@ -612,28 +637,18 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     init_from = flags.get("init_from", Config.init_from)
-    if flags.get("resume"):  # continue OUT: its saved configuration, with this invocation's flags on top
-        if not flags.get("out_dir"):
-            raise TrainError("--resume needs --out_dir: the run directory to continue")
-        out_dir = os.path.normpath(flags["out_dir"])
-        lock = lock_run_dir(out_dir) if master else None  # held (open) until the process ends
-        start_run = all_gather(recover(out_dir) if master else None, world)[0]  # rank 0 looks, every rank follows
-        if start_run is None:
-            raise TrainError(f"--resume --out_dir={out_dir}: no complete checkpoint there (nor in .tmp or .old)")
-        start_run["dir"] = out_dir
-        cfg, start = resolve_config(flags, saved=start_run["config"]), "resume"
-        cfg.out_dir = out_dir
-        accum = check_config(cfg, world)
+    if flags.get("resume"):
+        start = "resume"  # everything of OUT's last checkpoint, bit for bit
+    elif init_from == "scratch":
+        start = "fresh"
+    elif is_run(init_from) and not flags.get("weights_only"):
+        start = "handoff"  # weights, Adam moments, step counter and data position; the schedule restarts
     else:
-        start_run = recover_readonly(init_from) if init_from != "scratch" else None
-        cfg = resolve_config(flags, start_run=None if flags.get("weights_only") else start_run)
-        start = "fresh" if init_from == "scratch" else "handoff" if start_run and not cfg.weights_only else "weights"
-        accum = check_config(cfg, world)
-        out_dir = cfg.out_dir
-        lock = lock_run_dir(out_dir) if master else None
-        if master:
-            check_fresh_out_dir(out_dir)
+        start = "weights"  # a Hugging Face checkpoint, or our run's weights alone
+    cfg, accum, start_run, lock = configure(flags, start, master, world)  # lock: held (open) until the process ends
     torch.set_num_threads(pick_threads(cfg.threads))
+
+    out_dir = cfg.out_dir
 
     # ---- data ---------------------------------------------------------------------------------------
     if cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"] and master and \
@@ -707,15 +722,18 @@ def main(argv=None):
             block.compile()
     # no device_ids: DDP would otherwise move the host-side labels to the GPU (the model handles them there)
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    autocast = torch.autocast("cuda", dtype=getattr(torch, cfg.dtype)) \
-        if device.type == "cuda" and cfg.dtype != "float32" else contextlib.nullcontext()
+    autocast = contextlib.nullcontext()  # fp32 on a CPU, where bf16 is slow
+    if device.type == "cuda" and cfg.dtype != "float32":
+        autocast = torch.autocast("cuda", dtype=getattr(torch, cfg.dtype))
     flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", cfg.mask_rate if cfg.objective == "mlm" else 1.0)
     peak = peak_flops(device)
     log_file = os.path.join(out_dir, "log.jsonl")
     if master:  # the log holds exactly the steps of the checkpoint we start from
-        lines = open(log_file).readlines() if start == "resume" and os.path.exists(log_file) else []
+        lines = []
+        if start == "resume" and os.path.exists(log_file):
+            lines = [line for line in open(log_file) if json.loads(line)["step"] <= step]
         with open(log_file, "w") as f:
-            f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+            f.writelines(lines)
 
     print0(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print0(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
@@ -735,7 +753,7 @@ def main(argv=None):
     # ---- the loop ---------------------------------------------------------------------------------------
     params = list(model.parameters())
     stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
-    first_step, timed, t_start = step, 0.0, time.time()
+    first_step, t_start = step, time.time()
     record = {}
     loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
     x, y = next_batch(loader, device)
@@ -774,8 +792,7 @@ def main(argv=None):
         phase_tokens += tokens_per_step
 
         dt = time.time() - t0
-        timed += dt if step > first_step + 1 else 0.0  # the first step of an invocation warms up (compile, caches)
-        per_step = timed / (step - first_step - 1) if step > first_step + 1 else dt
+        eta = (time.time() - t_start) / (step - first_step) * (stop - step)
         record = dict(phase=cfg.phase, step=step, tokens=phase_tokens, loss=round(loss_value, 5), lr=lr,
                       grad_norm=round(norm_value, 4), ms=round(dt * 1000, 1), tokens_per_s=round(tokens_per_step / dt),
                       mfu=round(flops * tokens_per_step / dt / world / peak, 4) if peak else None)
@@ -801,7 +818,7 @@ def main(argv=None):
             mfu = f" | MFU {record['mfu']:.1%}" if peak else ""
             print0(f"{cfg.phase} step {step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad "
                    f"{norm_value:.3f} | {dt * 1000:.0f} ms | {record['tokens_per_s']:,} tok/s{mfu}{val} | "
-                   f"eta {duration(per_step * (stop - step))}")
+                   f"eta {duration(eta)}")
 
     # ---- summary ------------------------------------------------------------------------------------
     elapsed = time.time() - t_start
