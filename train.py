@@ -96,7 +96,7 @@ RECIPES = {
                   warmup_tokens=10_000, eval_interval=10**9, eval_sequences=8, save_interval=25, log_interval=10,
                   compile=False),
     "cpu": dict(preset="mini", seq_len=256, batch_size=32, micro_batch_size=0, tokens=2_000_000, lr=1e-3,
-                warmup_tokens=200_000, eval_interval=100, eval_sequences=32, save_interval=50, log_interval=25,
+                warmup_tokens=200_000, eval_interval=100, eval_sequences=16, save_interval=50, log_interval=25,
                 compile=False),
 }
 # Phases (SPEC §3): the objective and the schedule. The decay's budget, 0, means 10% of the Phase-1 run's.
