@@ -56,8 +56,8 @@ def test_flash_backend_matches_sdpa_on_padded_batches(fake_flash, causal, with_d
     # what the kernel was asked for: flash-attn's window convention, one varlen sequence per row or document
     local = (model.config.window, 0 if causal else model.config.window)
     assert {(c, w) for c, w, _ in fake_flash} == {(causal, (-1, -1)), (causal, local)}
-    n_seq = 3 + 2 + 1 if with_docs else 3  # 200 tokens -> 3 documents of <= 70, 150 -> 3, 37 -> 1
-    assert {n for *_, n in fake_flash} == {n_seq + 1 if with_docs else n_seq}
+    n_seq = 3 + 3 + 1 if with_docs else 3  # documents of <= 70 tokens: 200 real tokens -> 3, 150 -> 3, 37 -> 1
+    assert {n for *_, n in fake_flash} == {n_seq}
 
 
 def test_flash_backend_without_padding_runs_the_whole_rows(fake_flash):
