@@ -471,7 +471,8 @@ def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
 
 class SDPA:
     """PyTorch scaled_dot_product_attention with dense boolean masks: runs anywhere, the reference."""
-    description = "PyTorch scaled_dot_product_attention with dense masks (flash-attn and FlexAttention are used on CUDA)"
+    description = ("PyTorch scaled_dot_product_attention with dense masks "
+                   "(flash-attn and FlexAttention are used on CUDA)")
 
     @staticmethod
     def available(device):
@@ -493,7 +494,8 @@ class SDPA:
         if token_mask is None and doc_ids is None and not local:
             return None
         i = torch.arange(T, device=device)
-        return mask_rule(causal, window, local, token_mask, doc_ids)(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
+        keep = mask_rule(causal, window, local, token_mask, doc_ids)
+        return keep(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
 
     def unpad(self, x):
         return x
