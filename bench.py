@@ -196,11 +196,12 @@ def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
     backend (nothing quadratic in seq_len). Per token and block: the fp32 block input and mlp_norm input
     (4d + 4d), the bf16 copies Wqkv and Wi read (2d + 2d), qkv (6d, alive through v), rotated q and k (2d + 2d),
     the attention output (2d) and its log-sum-exp (4H), Wi's output (4I, alive through GELU's input and the
-    gate), GELU's output (2I) and mlp.Wo's input (2I): 24d + 8I + 4H bytes. Plus the embeddings and
-    final_norm (12d per token), the head on the predicted rows (12d) and the loss's fp32 weight gradient."""
+    gate), GELU's output (2I) and mlp.Wo's input (2I): 24d + 8I + 4H bytes, less 4d in block 0 (no attn_norm).
+    Plus the embeddings and final_norm (12d per token), the head on the predicted rows (12d) and the loss's
+    fp32 weight gradient. tests/test_backends.py checks the per-token part against autograd's saved tensors."""
     d, i, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     tokens = seq_len * micro
-    per_token = cfg.num_hidden_layers * (24 * d + 8 * i + 4 * h) + 12 * d + mask_rate * 12 * d
+    per_token = cfg.num_hidden_layers * (24 * d + 8 * i + 4 * h) - 4 * d + 12 * d + mask_rate * 12 * d
     return tokens * per_token + 4 * cfg.vocab_size * d
 
 

@@ -30,9 +30,37 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert len(window_size) == 2 and all(isinstance(w, int) and w >= -1 for w in window_size), window_size
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     calls.append((causal, tuple(window_size), len(cu_seqlens_q) - 1))
-    out = []
-    for b in range(len(cu_seqlens_q) - 1):
-        qs, qe, ks, ke = (int(t) for t in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
+    args = (cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p, scale, causal, tuple(window_size))
+    return _Varlen.apply(q, k, v, args)
+
+
+class _Varlen(torch.autograd.Function):
+    """Keeps for backward what flash-attn keeps (q, k, v, the output, the fp32 log-sum-exp per row and head, the
+    RNG state) and recomputes the rest there, so that memory measured through it is flash-attn's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        rng = torch.get_rng_state()
+        with torch.no_grad():
+            out, lse = attention(q, k, v, *args)
+        ctx.args, ctx.rng = args, rng
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad(), torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)  # the same dropout mask as the forward
+            out, _ = attention(q, k, v, *ctx.args)
+        return (*torch.autograd.grad(out, (q, k, v), grad), None)
+
+
+def attention(q, k, v, cu_q, cu_k, dropout_p, scale, causal, window_size):
+    """The reference, sequence by sequence: (out (total_q, H, D) in q's dtype, lse (H, total_q) fp32)."""
+    out, lse = [], []
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         lq, lk = qe - qs, ke - ks
         i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # bottom-right aligned query index
         j = torch.arange(lk, device=q.device)[None, :]
@@ -45,7 +73,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if right >= 0:
             keep &= j <= i + right
         scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k[ks:ke].float()) * scale
-        p = scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)  # empty rows -> zeros
+        scores = scores.masked_fill(~keep, float("-inf"))
+        p = scores.softmax(-1).nan_to_num(0.0)  # a row with nothing to see outputs zeros
         p = F.dropout(p, dropout_p) if dropout_p > 0 else p
         out.append(torch.einsum("hqk,khd->qhd", p, v[ks:ke].float()).to(q.dtype))
-    return torch.cat(out) if out else q.new_zeros(q.shape)
+        lse.append(scores.logsumexp(-1))
+    if not out:
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+    return torch.cat(out), torch.cat(lse, -1)
