@@ -568,7 +568,9 @@ class Flash:
             starts = self.unpad(new_doc).nonzero().squeeze(1)
             lengths = torch.diff(starts, append=starts.new_tensor([self.positions.shape[0]]))
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        self.max_seqlen = T  # an upper bound is enough (it sizes the kernel's grid); the exact one costs a sync
+        # An upper bound is enough (it sizes the kernel's grid) and costs no sync; with documents the backward's
+        # buffers grow as n_documents x max_seqlen, so take the exact one (the nonzero above synced already).
+        self.max_seqlen = T if doc_ids is None else int(lengths.max())
 
     def unpad(self, x):
         x = x.flatten(0, 1)  # (B*T, ...)
