@@ -533,15 +533,19 @@ class Flex(SDPA):
 
     def attend(self, q, k, v, local):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        attend = compiled_flex_attention if q.is_cuda else flex_attention  # CPU: only tests run it (no backward)
+        attend = compiled(flex_attention, dynamic=False) if q.is_cuda else flex_attention  # CPU: tests only (no backward)
         return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
 
 
 # shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)
 cached_mask = functools.lru_cache(maxsize=32)(lambda kind, *args: kind.build_mask(*args))
-if flex_attention is not None:
-    # Compiled: eager FlexAttention would materialise the full score matrix.
-    compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def compiled(fn, dynamic):
+    """torch.compile(fn), made on first use: importing the compiler costs ~2 s, which CPU runs never need.
+    Compiled FlexAttention is the point of it (eager FlexAttention materialises the whole score matrix)."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 class Flash:
@@ -636,7 +640,6 @@ def _chunk_loss_and_grad(logits, target, with_grad):
     return loss, g.to(logits.dtype)
 
 
-_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=True)
 _cpu_logits = {}  # dtype -> the (rows, vocab) block reused by every chunk and step on a CPU
 
 
@@ -655,7 +658,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, with_grad):
         n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
-        step = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
+        step = compiled(_chunk_loss_and_grad, dynamic=True) if h.is_cuda else _chunk_loss_and_grad
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         grad_h = torch.empty_like(h) if with_grad else None
         grad_w = grad_b = None

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import data
 import freeze
-from model import BACKEND_NAMES, ModernBERT, ModernBERTConfig, resolve_checkpoint, write_json
+from model import BACKEND_NAMES, ModernBERT, ModernBERTConfig, read_config, resolve_checkpoint, write_json
 
 
 class TrainError(ValueError):
@@ -245,6 +245,7 @@ class AdamW:
         assert len(named) == len(set(named)), "every parameter belongs to exactly one group"
         self.peak_lr, self.betas, self.eps = peak_lr, betas, eps
         self.moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for params, _ in self.groups for name, p in params}
+        self.denoms = {name: torch.empty_like(m) for name, (m, _) in self.moments.items()}  # reused: no allocation per step
         self.steps = 0  # Adam's t, carried across phases
         self.frozen = set(frozen)
 
@@ -254,17 +255,18 @@ class AdamW:
         beta1, beta2 = self.betas
         bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
         for params, wd in self.groups:
-            live = [(p, *self.moments[n]) for n, p in params if n not in self.frozen and p.grad is not None]
+            live = [(p, *self.moments[n], self.denoms[n]) for n, p in params if n not in self.frozen and p.grad is not None]
             if not live:
                 continue
-            ps, ms, vs = (list(t) for t in zip(*live))
+            ps, ms, vs, denom = (list(t) for t in zip(*live))
             gs = [p.grad for p in ps]
             if wd:
                 torch._foreach_mul_(ps, 1 - lr / self.peak_lr * wd)
             torch._foreach_lerp_(ms, gs, 1 - beta1)
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
-            denom = torch._foreach_sqrt(vs)
+            torch._foreach_copy_(denom, vs)
+            torch._foreach_sqrt_(denom)
             torch._foreach_div_(denom, math.sqrt(bias2))
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bias1)
@@ -559,10 +561,11 @@ def resolve_source(init_from):
 def read_model_config(source):
     path = os.path.join(source, "config.json")
     try:
-        with open(path) as f:
-            return ModernBERTConfig.from_hf(json.load(f), path)
-    except (OSError, ValueError, TypeError, AssertionError) as e:
-        raise TrainError(f"{path}: not a readable ModernBERT config.json ({e})") from None
+        return read_config(path)
+    except OSError as e:
+        raise TrainError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:  # names the file and the field
+        raise TrainError(str(e)) from None
 
 
 def load_or_fail(load, path):
@@ -688,8 +691,7 @@ def main(argv=None):
     except ValueError as e:
         raise TrainError(str(e)) from None
     torch.manual_seed(cfg.seed)  # the same init on every rank
-    config.attention_dropout = cfg.dropout
-    model = ModernBERT(config, cfg.backend)
+    model = ModernBERT(config.replace(attention_dropout=cfg.dropout), cfg.backend)
     if source is not None:
         load_or_fail(model.load_weights, os.path.join(source, "model.safetensors"))
     model.to(device)
