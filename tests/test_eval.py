@@ -39,7 +39,7 @@ def byte_models(tmp_path_factory):
     ModernBERT(ModernBERTConfig.from_preset("tiny", **BYTE_IDS)).save_pretrained(root / "start")
     flags = [f"--data={root / 'demo'}", f"--init_from={root / 'start'}", "--seq_len=128", "--batch_size=4",
              "--micro_batch_size=4", "--tokens=2048", "--warmup_tokens=512", "--lr=3e-3", "--compile=false",
-             "--eval_sequences=2", "--log_interval=1000"]
+             "--eval_sequences=2", "--log_interval=1000", "--recipe=smoke"]
     for name, phase, seed in (("a", "clm", 17), ("b", "mlm", 17), ("c", "mlm", 18)):
         train.main([*flags, f"--phase={phase}", f"--seed={seed}", f"--out_dir={root / name}"])
     return [root / name for name in "abc"]
