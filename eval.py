@@ -19,6 +19,7 @@ import math
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -246,7 +247,9 @@ def plot_divergence(result, path):
 
 # ----------------------------------------------------------------------------
 # Tasks: token<TAB>tag files (token classification) or JSONL (sequence classification), checked in full
-# before any training, so that a typo in a test file does not cost a run
+# before any training, so that a typo in a test file does not cost a run. Everything that differs between the
+# kinds (reading, targets, loss, decoding, metrics, majority baseline) lives in one class per kind; a new kind is
+# a new class and one line in read_task.
 
 SPLITS = ("train", "dev", "test")
 
@@ -296,8 +299,128 @@ def read_jsonl(path, labelled=True):
     return examples
 
 
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def most_common(labels):
+    return Counter(labels).most_common(1)[0][0]
+
+
+class TokenClassification:
+    """IOB2 tags, one per word, predicted on the word's first sub-token; entity-level F1 as seqeval computes it."""
+    name, suffix, primary, epochs, per_token = "token", ".tsv", "entity_f1", 20, True
+    read = staticmethod(read_tsv)
+
+    def labels_of(self, example):  # (label, line) pairs, for the label-set checks
+        return [(tag, example["line"] + k) for k, tag in enumerate(example["label"])]
+
+    def encode(self, labels, examples, tok, max_len):
+        """(ids, target) per sentence, target the tag's class on a word's first sub-token and -100 elsewhere.
+        Whole words only: a word cut by max_len goes with all that follow it (they count as predicted "O")."""
+        column = {label: i for i, label in enumerate(labels)}
+        # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space in the token.
+        pieces = iter(tok.encode_batch([w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]))
+        out = []
+        for ex in examples:
+            ids, target = [tok.cls_id], [IGNORE_INDEX]
+            for word, tag in zip([next(pieces) for _ in ex["words"]], ex["label"]):
+                if len(ids) + len(word) > max_len - 1:
+                    break
+                ids += word
+                target += [column[tag]] + [IGNORE_INDEX] * (len(word) - 1)
+            out.append((ids + [tok.sep_id], target + [IGNORE_INDEX]))
+        return out
+
+    def stack(self, targets, device):
+        return pad_batch(targets, IGNORE_INDEX, device)[0]  # (B, T)
+
+    loss = staticmethod(cross_entropy)
+
+    def decode(self, logits, target, example, labels):  # logits (T, C); the first sub-tokens are where target is set
+        words = logits[target != IGNORE_INDEX].argmax(-1).tolist()
+        return [labels[k] for k in words] + ["O"] * (len(example["words"]) - len(words))
+
+    def score(self, gold, preds, labels):
+        flat = label_f1([t for tags in gold for t in tags], [t for tags in preds for t in tags])
+        return {"entity_f1": entity_f1(gold, preds), **flat}
+
+    def majority(self, train, examples, labels):
+        top = most_common(t for ex in train for t in ex["label"])
+        return [[top] * len(ex["words"]) for ex in examples]
+
+
+class SequenceClassification:
+    """What the JSONL kinds share: [CLS] text [SEP] (text_pair [SEP]), one target per example, macro-F1."""
+    suffix, primary, epochs, per_token = ".jsonl", "macro_f1", 10, False
+    read = staticmethod(read_jsonl)
+
+    def encode(self, labels, examples, tok, max_len):
+        texts = tok.encode_batch([ex["text"] for ex in examples])
+        pairs = tok.encode_batch([ex["text_pair"] or "" for ex in examples])
+        out = []
+        for ex, a, b in zip(examples, texts, pairs):
+            if ex["text_pair"] is None:
+                ids = [tok.cls_id, *a[:max_len - 2], tok.sep_id]
+            else:
+                a, b = fit_pair(a, b, max_len - 3)
+                ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
+            out.append((ids, self.target(ex["label"], labels)))
+        return out
+
+    def stack(self, targets, device):
+        return torch.tensor(targets, device=device)  # (B,) or (B, C)
+
+
+class SingleLabel(SequenceClassification):
+    """One label per example: softmax over the labels."""
+    name = "single"
+    loss = staticmethod(cross_entropy)
+
+    def labels_of(self, example):
+        return [(example["label"], example["line"])]
+
+    def target(self, label, labels):
+        return labels.index(label) if label in labels else IGNORE_INDEX
+
+    def decode(self, logits, target, example, labels):
+        return labels[logits.argmax()]
+
+    def score(self, gold, preds, labels):
+        return label_f1(gold, preds)
+
+    def majority(self, train, examples, labels):
+        top = most_common(ex["label"] for ex in train)
+        return [top for _ in examples]
+
+
+class MultiLabel(SequenceClassification):
+    """A list of labels per example (possibly empty): a sigmoid per label, predicted when its logit is > 0."""
+    name = "multi"
+
+    def labels_of(self, example):
+        return [(label, example["line"]) for label in example["label"]]
+
+    def target(self, label, labels):
+        return [float(x in label) for x in labels]
+
+    def loss(self, logits, targets):
+        return F.binary_cross_entropy_with_logits(logits, targets)
+
+    def decode(self, logits, target, example, labels):
+        return [label for label, z in zip(labels, logits) if z > 0]
+
+    def score(self, gold, preds, labels):
+        indicator = lambda sets: [[label in s for label in labels] for s in sets]
+        return f1_scores(indicator(gold), indicator(preds))
+
+    def majority(self, train, examples, labels):  # every label that more than half of the train examples carry
+        counts = Counter(x for ex in train for x in ex["label"])
+        return [[x for x in labels if counts[x] > len(train) / 2] for _ in examples]
+
+
 def read_task(folder):
-    """{"name", "kind": token | single | multi, "labels", "files", "train", "dev", "test"} of a task folder."""
+    """{"name", "kind" (one of the classes above), "labels", "files", "train", "dev", "test"} of a task folder."""
     folder = Path(folder)
     found = {ext for ext in (".tsv", ".jsonl") for s in SPLITS if (folder / f"{s}{ext}").is_file()}
     if len(found) != 1:
@@ -308,30 +431,27 @@ def read_task(folder):
     for split, path in files.items():
         if not path.is_file():
             raise DataError(f"{folder}: missing {path.name} (a task needs {', '.join(p.name for p in files.values())})")
-    task = {"name": folder.name, "files": {s: str(p) for s, p in files.items()}}
-    task.update({s: (read_tsv if ext == ".tsv" else read_jsonl)(p) for s, p in files.items()})
+    examples = {s: (read_tsv if ext == ".tsv" else read_jsonl)(p) for s, p in files.items()}
     for split in SPLITS:
-        if not task[split]:
+        if not examples[split]:
             raise DataError(f"{files[split]}: no examples")
-    multi = isinstance(task["train"][0]["label"], list)
-    task["kind"] = "token" if ext == ".tsv" else "multi" if multi else "single"
-    task["primary"] = "entity_f1" if task["kind"] == "token" else "macro_f1"  # what picks the best epoch (SPEC §5)
+    multi = isinstance(examples["train"][0]["label"], list)
+    kind = TokenClassification() if ext == ".tsv" else MultiLabel() if multi else SingleLabel()
     known = set()
     for split in SPLITS:  # train defines the label set; dev and test may only use it
-        for ex in task[split]:
+        for ex in examples[split]:
             if ext == ".jsonl" and isinstance(ex["label"], list) != multi:
                 raise DataError(f"{files[split]}:{ex['line']}: label {ex['label']!r} mixes single-label and "
                                 f"multi-label examples (the first train example decides)")
-            for k, label in enumerate([ex["label"]] if task["kind"] == "single" else ex["label"]):
+            for label, line in kind.labels_of(ex):
                 if split == "train":
                     known.add(label)
                 elif label not in known:
-                    line = ex["line"] + k if task["kind"] == "token" else ex["line"]
                     raise DataError(f"{files[split]}:{line}: label {label!r} does not occur in {files['train']}")
     if not known:
         raise DataError(f"{files['train']}: no labels at all")
-    task["labels"] = sorted(known)
-    return task
+    return {"name": folder.name, "kind": kind, "labels": sorted(known), "files": {s: str(p) for s, p in files.items()},
+            **examples}
 
 
 def fit_pair(a, b, budget):
@@ -340,76 +460,19 @@ def fit_pair(a, b, budget):
     return a[:budget - kept_b], b[:kept_b]
 
 
-def encode_task(task, examples, tok, max_len):
-    """(ids, target) per example. target: a class index (single), a multi-hot list (multi), or one label per
-    token (token: the class of a word on its first sub-token, -100 elsewhere)."""
-    column = {label: i for i, label in enumerate(task["labels"])}
-    if task["kind"] == "token":
-        # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space in the token.
-        words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]
-        pieces = iter(tok.encode_batch(words))
-        out = []
-        for ex in examples:
-            ids, target = [tok.cls_id], [IGNORE_INDEX]
-            for word, tag in zip([next(pieces) for _ in ex["words"]], ex["label"]):
-                if len(ids) + len(word) > max_len - 1:  # whole words only; the cut ones count as predicted "O"
-                    break
-                ids += word
-                target += [column[tag]] + [IGNORE_INDEX] * (len(word) - 1)
-            out.append((ids + [tok.sep_id], target + [IGNORE_INDEX]))
-        return out
-    texts = tok.encode_batch([ex["text"] for ex in examples])
-    pairs = tok.encode_batch([ex["text_pair"] or "" for ex in examples])
-    out = []
-    for ex, a, b in zip(examples, texts, pairs):
-        if ex["text_pair"] is None:
-            ids = [tok.cls_id, *a[:max_len - 2], tok.sep_id]
-        else:
-            a, b = fit_pair(a, b, max_len - 3)
-            ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
-        target = column[ex["label"]] if task["kind"] == "single" else [float(x in ex["label"]) for x in task["labels"]]
-        out.append((ids, target))
-    return out
-
-
-def collate(batch, kind, pad_id, device):
-    """(ids, attention mask, targets) tensors of a list of (ids, target)."""
-    ids, mask = pad_batch([ids for ids, _ in batch], pad_id, device)
-    if kind == "token":
-        targets, _ = pad_batch([t for _, t in batch], IGNORE_INDEX, device)  # (B, T)
-    else:
-        targets = torch.tensor([t for _, t in batch], device=device)  # (B,) or (B, C) multi-hot
-    return ids, mask, targets
-
-
-def score(task, examples, preds):
-    """Metrics of predictions against the gold labels of examples."""
-    gold = [ex["label"] for ex in examples]
-    if task["kind"] == "token":
-        flat = label_f1([t for tags in gold for t in tags], [t for tags in preds for t in tags])
-        return {"entity_f1": entity_f1(gold, preds), **flat}
-    if task["kind"] == "multi":
-        indicator = lambda sets: [[label in s for label in task["labels"]] for s in sets]
-        return f1_scores(indicator(gold), indicator(preds))
-    return label_f1(gold, preds)
-
-
-def majority(task, examples):
-    """The majority-class baseline: train's most frequent label (tag) everywhere; multi-label, every label that
-    more than half of the train examples carry."""
-    train = task["train"]
-    if task["kind"] == "multi":
-        counts = Counter(x for ex in train for x in ex["label"])
-        return [[x for x in task["labels"] if counts[x] > len(train) / 2] for _ in examples]
-    if task["kind"] == "token":
-        top = Counter(t for ex in train for t in ex["label"]).most_common(1)[0][0]
-        return [[top] * len(ex["words"]) for ex in examples]
-    top = Counter(ex["label"] for ex in train).most_common(1)[0][0]
-    return [top for _ in examples]
-
-
 # ----------------------------------------------------------------------------
 # Fine-tuning (SPEC §5)
+
+
+@dataclass
+class Settings:
+    """What every (task, seed) run of one `finetune` call shares."""
+    epochs: int  # None: the kind's default (SPEC §5)
+    lr: float
+    batch_size: int
+    pooling: str
+    pad_id: int
+    device: str
 
 
 class Classifier(nn.Module):
@@ -433,72 +496,75 @@ class Classifier(nn.Module):
         return self.classifier(self.dropout(self.encoder.head_hidden(h)))  # (B, C) or (B, T, C)
 
 
-def loss_fn(kind, logits, targets):
-    if kind == "multi":
-        return F.binary_cross_entropy_with_logits(logits, targets)
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+def collate(batch, kind, pad_id, device):
+    """(ids, attention mask, targets) tensors of a list of (ids, target)."""
+    ids, mask = pad_batch([ids for ids, _ in batch], pad_id, device)
+    return ids, mask, kind.stack([t for _, t in batch], device)
 
 
 @torch.no_grad()
-def predict(model, task, examples, encoded, batch_size, pad_id, device):
-    """One prediction per example: a label, a list of labels (multi: logit > 0), or one tag per word."""
+def predict(model, task, examples, encoded, s):
+    """One prediction per example: a label, a list of labels, or one tag per word."""
     model.eval()
-    labels, preds = task["labels"], [None] * len(encoded)
-    for idx in batches_by_length([ids for ids, _ in encoded], batch_size):
-        ids, mask, targets = collate([encoded[i] for i in idx], task["kind"], pad_id, device)
-        with autocast(device):
+    preds = [None] * len(encoded)
+    for idx in batches_by_length([ids for ids, _ in encoded], s.batch_size):
+        ids, mask, targets = collate([encoded[i] for i in idx], task["kind"], s.pad_id, s.device)
+        with autocast(s.device):
             logits = model(ids, mask).float().cpu()
-        targets = targets.cpu()
         for row, i in enumerate(idx):
-            if task["kind"] == "single":
-                preds[i] = labels[logits[row].argmax()]
-            elif task["kind"] == "multi":
-                preds[i] = [label for label, z in zip(labels, logits[row]) if z > 0]
-            else:  # first sub-tokens are where targets are set (their positions are used, not their values)
-                words = logits[row][targets[row] != IGNORE_INDEX].argmax(-1).tolist()
-                preds[i] = [labels[k] for k in words] + ["O"] * (len(examples[i]["words"]) - len(words))
+            preds[i] = task["kind"].decode(logits[row], targets[row].cpu(), examples[i], task["labels"])
     return preds
 
 
-def train_seed(base, task, data, encoded, seed, epochs, lr, batch_size, pooling, pad_id, device):
-    """Fine-tune a copy of base; the epoch with the best dev primary metric is evaluated on test."""
-    torch.manual_seed(seed)  # the classifier init and dropout
-    model = Classifier(copy.deepcopy(base), len(task["labels"]), task["kind"] == "token", pooling).to(device)
+def evaluate(model, task, split, s):
+    """(metrics, predictions) of model on split = (examples, encoded)."""
+    preds = predict(model, task, *split, s)
+    return task["kind"].score([ex["label"] for ex in split[0]], preds, task["labels"]), preds
+
+
+def optimizer_for(model, lr):
     named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW([  # no decay on biases and norms, as HF's Trainer
+    return torch.optim.AdamW([  # no decay on biases and norms, as HF's Trainer
         {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
         {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
-    train = encoded["train"]
-    per_epoch = math.ceil(len(train) / batch_size)
+
+
+def train_seed(base, task, data, seed, s):
+    """Fine-tune a copy of base on data["train"] = (examples, encoded); the epoch with the best dev primary metric
+    is evaluated on test. Returns {"dev", "best_epoch", "test", "seconds"} and the test predictions."""
+    kind, epochs = task["kind"], s.epochs or task["kind"].epochs
+    torch.manual_seed(seed)  # the classifier init and dropout
+    model = Classifier(copy.deepcopy(base), len(task["labels"]), kind.per_token, s.pooling).to(s.device)
+    optimizer = optimizer_for(model, s.lr)
+    train = data["train"][1]
+    per_epoch = math.ceil(len(train) / s.batch_size)
     # linear decay to 0 and no warmup: with few steps per epoch a warmup would take a large share of the run
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (epochs * per_epoch))
     shuffle = torch.Generator().manual_seed(seed)
-    primary = task["primary"]
     best, start = None, time.time()
     for epoch in range(1, epochs + 1):
         model.train()
-        total = torch.zeros((), device=device)
-        for idx in torch.randperm(len(train), generator=shuffle).split(batch_size):
-            ids, mask, targets = collate([train[i] for i in idx], task["kind"], pad_id, device)
-            with autocast(device):
+        total = torch.zeros((), device=s.device)
+        for idx in torch.randperm(len(train), generator=shuffle).split(s.batch_size):
+            ids, mask, targets = collate([train[i] for i in idx], kind, s.pad_id, s.device)
+            with autocast(s.device):
                 logits = model(ids, mask)
-            loss = loss_fn(task["kind"], logits.float(), targets)
+            loss = kind.loss(logits.float(), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's default max_grad_norm
             optimizer.step()
             schedule.step()
             total += loss.detach()
-        dev = score(task, data["dev"], predict(model, task, data["dev"], encoded["dev"], batch_size, pad_id, device))
-        better = best is None or dev[primary] > best["dev"][primary]
+        dev, _ = evaluate(model, task, data["dev"], s)
+        better = best is None or dev[kind.primary] > best["dev"][kind.primary]
         if better:  # the best epoch's weights, kept in memory
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            best = {"dev": dev, "best_epoch": epoch, "state": state}
-        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {total.item() / per_epoch:.4f}, "
-              f"dev {primary} {dev[primary]:.4f}{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
+            best = {"dev": dev, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {total.item() / per_epoch:.4f}, dev {kind.primary} "
+              f"{dev[kind.primary]:.4f}{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
     model.load_state_dict(best.pop("state"))
-    test = score(task, data["test"], predict(model, task, data["test"], encoded["test"], batch_size, pad_id, device))
-    return {**best, "test": test, "seconds": round(time.time() - start, 2)}
+    test, preds = evaluate(model, task, data["test"], s)
+    return {**best, "test": test, "seconds": round(time.time() - start, 2)}, preds
 
 
 def subset(examples, n):
@@ -506,6 +572,16 @@ def subset(examples, n):
     if n is None or n >= len(examples):
         return examples
     return [examples[i] for i in np.sort(np.random.default_rng(0).choice(len(examples), n, replace=False))]
+
+
+def summarize(task, runs, baseline, epochs):
+    """A task's entry in the results file: every seed, mean and sample std (ddof=1, as papers report; 0 for one
+    seed) of each test metric, and the majority baseline."""
+    values = {m: [r["test"][m] for r in runs.values()] for m in next(iter(runs.values()))["test"]}
+    return {"task": task["name"], "kind": task["kind"].name, "labels": task["labels"], "primary": task["kind"].primary,
+            "epochs": epochs, "seeds": runs, "mean": {m: float(np.mean(v)) for m, v in values.items()},
+            "std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()},
+            "baseline": {"test": baseline}}
 
 
 def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5, max_len=512,
@@ -517,31 +593,27 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     if len(set(names)) < len(names):
         raise DataError(f"task folders must have distinct names, got {names}")
     base, tok = load_model(model, device, tokenizer)
+    s = Settings(epochs, lr, batch_size, pooling, tok.pad_id, device)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len, train_subset=train_subset,
                 eval_subset=eval_subset, batch_size=batch_size, pooling=pooling, tokenizer=tok.spec)
     results = {"model": str(model), "args": args, "tasks": {}}
     for task in tasks:
-        data = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
-        encoded = {s: encode_task(task, data[s], tok, max_len) for s in SPLITS}
-        n_epochs = epochs or (20 if task["kind"] == "token" else 10)
-        primary = task["primary"]
-        print(f"{task['name']}: {task['kind']}, {len(task['labels'])} labels, "
-              f"{'/'.join(str(len(data[s])) for s in SPLITS)} examples, {n_epochs} epochs")
-        runs = {str(seed): train_seed(base, task, data, encoded, seed, n_epochs, lr, batch_size, pooling, tok.pad_id,
-                                      device) for seed in seeds}
-        metrics = list(runs[str(seeds[0])]["test"])
-        values = {m: [r["test"][m] for r in runs.values()] for m in metrics}
-        summary = {"task": task["name"], "kind": task["kind"], "labels": task["labels"], "primary": primary,
-                   "epochs": n_epochs, "seeds": runs, "mean": {m: float(np.mean(v)) for m, v in values.items()},
-                   # sample standard deviation (ddof=1) over seeds, as papers report it; 0 for a single seed
-                   "std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()},
-                   "baseline": {"test": score(task, data["test"], majority(task, data["test"]))}}
-        results["tasks"][task["name"]] = summary
+        kind = task["kind"]
+        examples = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
+        data = {s: (examples[s], kind.encode(task["labels"], examples[s], tok, max_len)) for s in SPLITS}
+        n_epochs = epochs or kind.epochs
+        print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
+              f"{'/'.join(str(len(examples[s])) for s in SPLITS)} examples, {n_epochs} epochs")
+        runs = {str(seed): train_seed(base, task, data, seed, s)[0] for seed in seeds}
+        test = examples["test"]
+        baseline = kind.score([ex["label"] for ex in test], kind.majority(task["train"], test, task["labels"]),
+                              task["labels"])
+        summary = results["tasks"][task["name"]] = summarize(task, runs, baseline, n_epochs)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_json(str(out), results)
-        shown = ", ".join(f"{m} {100 * summary['mean'][m]:.2f} ± {100 * summary['std'][m]:.2f}" for m in metrics)
-        print(f"{task['name']}: test {shown} over {len(seeds)} seeds; majority baseline {primary} "
-              f"{100 * summary['baseline']['test'][primary]:.2f}")
+        shown = ", ".join(f"{m} {100 * summary['mean'][m]:.2f} ± {100 * summary['std'][m]:.2f}" for m in summary["mean"])
+        print(f"{task['name']}: test {shown} over {len(seeds)} seeds; majority baseline {kind.primary} "
+              f"{100 * baseline[kind.primary]:.2f}")
     return results
 
 

@@ -198,14 +198,14 @@ def test_entities_and_entity_f1_match_seqeval():
 
 def test_token_encoding_labels_first_subtokens_and_truncates_whole_words():
     tok = load_tokenizer("bytes")
-    task = {"kind": "token", "labels": ["B-D", "I-D", "O"]}
+    token, labels = ev.TokenClassification(), ["B-D", "I-D", "O"]
     example = {"words": ["ab", "c", "de"], "label": ["B-D", "I-D", "O"]}
-    (ids, target), = ev.encode_task(task, [example], tok, max_len=512)
+    (ids, target), = token.encode(labels, [example], tok, max_len=512)
     assert ids == [256, 97, 98, 32, 99, 32, 100, 101, 257]  # " " + word after the first: the space is in the token
     assert target == [-100, 0, -100, 1, -100, 2, -100, -100, -100]
-    (ids, target), = ev.encode_task(task, [example], tok, max_len=6)  # [CLS] a b ␠ c [SEP]: " de" does not fit
+    (ids, target), = token.encode(labels, [example], tok, max_len=6)  # [CLS] a b ␠ c [SEP]: " de" does not fit
     assert ids == [256, 97, 98, 32, 99, 257] and target == [-100, 0, -100, 1, -100, -100]
-    (ids, target), = ev.encode_task(task, [example], tok, max_len=5)  # no half words: " c" goes too
+    (ids, target), = token.encode(labels, [example], tok, max_len=5)  # no half words: " c" goes too
     assert ids == [256, 97, 98, 257] and target == [-100, 0, -100, -100]
 
 
