@@ -172,75 +172,128 @@ def ratio(divergence, control):
     return divergence / control
 
 
-def cka(model_a, model_b, texts, control=None, n=500, seeds=(42, 43, 44), max_len=512, out="cka.json",
+def control_band(divergence, controls):
+    """The seed controls' divergences at one layer, summarised, and where the pair's divergence lies: `outside`
+    the band means above every control and, with three or more controls, also above mean + 2 std (sample std,
+    ddof=1; with fewer controls the std says too little to use)."""
+    c = np.asarray(controls, np.float64)
+    mean, std = float(c.mean()), float(c.std(ddof=1)) if len(c) > 1 else 0.0
+    outside = divergence > c.max() and (len(c) < 3 or divergence > mean + 2 * std)
+    return {"mean": mean, "std": std, "min": float(c.min()), "max": float(c.max()),
+            "ratio": ratio(divergence, mean), "outside": bool(outside)}
+
+
+def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 44), max_len=512, out="cka.json",
         batch_size=16, tokenizer=None, device=None):
-    """Per-layer CKA of A and B (and of A and the seed control C), mean over the sampling seeds.
-    Writes out (JSON) and a PNG of the divergences beside it; returns the JSON's dict."""
+    """Per-layer CKA of A and B and of A and each seed control (a run differing from A only in its training seed),
+    mean over the sampling seeds (draws of n texts). names: what to call A and B in the table and the figure
+    (default: their directory names). Writes out (JSON, every draw kept) and a PNG beside it; returns the dict.
+
+    Per layer: divergence = 1 - CKA(A, B); the controls' 1 - CKA(A, C_i), their mean, std, min and max;
+    ratio = divergence / mean control divergence; outside_band (see control_band)."""
     device = device or default_device()
     pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
     if n > len(pool):
         raise DataError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
+    names = list(names or [Path(str(p)).name for p in (model_a, model_b)])
     draws = {seed: np.random.default_rng(seed).choice(len(pool), n, replace=False) for seed in seeds}
     union = np.unique(np.concatenate(list(draws.values())))  # each text goes through each model once
-    paths = [model_a, model_b] + ([control] if control else [])
-    models = [load_model(p, device, tokenizer) for p in paths]
-    depths = [m.config.num_hidden_layers for m, _ in models]
-    if len(set(depths)) > 1:
-        raise DataError(f"models have different numbers of layers: {dict(zip(map(str, paths), depths))}")
-    features = [layer_means(m, tok, [pool[i] for i in union], max_len, batch_size, device) for m, tok in models]
-    layers = list(range(depths[0]))
+    paths = [model_a, model_b, *controls]
+    features = [layer_means(model, tok, [pool[i] for i in union], max_len, batch_size, device)
+                for model, tok in load_models(paths, device, tokenizer)]
+    layers = list(range(len(features[0])))
 
-    def per_layer(other, rows):  # CKA of A with `other` at every layer, on the texts of one draw
+    def per_layer(other, rows):  # CKA of A with model `other` at every layer, on the texts of one draw
         return [linear_cka(features[0][layer, rows], features[other][layer, rows]) for layer in layers]
 
     per_seed = {}
     for seed, draw in draws.items():
         rows = np.searchsorted(union, draw)
-        per_seed[seed] = {"cka": per_layer(1, rows), **({"control_cka": per_layer(2, rows)} if control else {})}
-    mean = {key: np.mean([s[key] for s in per_seed.values()], axis=0) for key in per_seed[seeds[0]]}
-    result = {"layers": layers, "cka": mean["cka"].tolist(), "divergence": (1 - mean["cka"]).tolist()}
-    if control:
-        result["control_divergence"] = (1 - mean["control_cka"]).tolist()
-        result["ratio"] = [ratio(d, c) for d, c in zip(result["divergence"], result["control_divergence"])]
+        per_seed[seed] = {"cka": per_layer(1, rows), "control_cka": [per_layer(2 + k, rows) for k in range(len(controls))]}
+    pair = np.array([s["cka"] for s in per_seed.values()])  # (draws, L)
+    result = {"names": names, "layers": layers, "cka": pair.mean(0).tolist(), "divergence": (1 - pair.mean(0)).tolist(),
+              "divergence_std": (1 - pair).std(0).tolist()}  # over the draws
+    if controls:
+        each = 1 - np.mean([s["control_cka"] for s in per_seed.values()], axis=0)  # (controls, L)
+        bands = [control_band(d, each[:, layer]) for layer, d in enumerate(result["divergence"])]
+        result["controls"] = {"paths": list(map(str, controls)), "divergence": each.tolist(),
+                              **{key: [b[key] for b in bands] for key in ("std", "min", "max")}}
+        result["control_divergence"] = [b["mean"] for b in bands]
+        result["ratio"] = [b["ratio"] for b in bands]
+        result["outside_band"] = [b["outside"] for b in bands]
     result["per_seed"] = per_seed
-    result["args"] = dict(model_a=str(model_a), model_b=str(model_b), control=control and str(control),
+    result["args"] = dict(model_a=str(model_a), model_b=str(model_b), controls=list(map(str, controls)),
                           texts=str(texts), n=n, seeds=list(seeds), max_len=max_len, tokenizer=tokenizer)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_json(str(out), result)
-
-    print(f"linear CKA, {model_a} vs {model_b}" + (f" (control: {model_a} vs {control})" if control else "")
-          + f", mean of {len(seeds)} draws of {n} texts")
-    print(f"{'layer':>5} {'CKA':>10} {'1 - CKA':>10}" + (f" {'control':>10} {'ratio':>8}" if control else ""))
-    for layer in layers:
-        line = f"{layer:>5} {result['cka'][layer]:>10.6f} {result['divergence'][layer]:>10.3e}"
-        if control:
-            line += f" {result['control_divergence'][layer]:>10.3e} {result['ratio'][layer]:>8.2f}"
-        print(line)
-    plot_divergence(result, Path(out).with_suffix(".png"))
+    print_cka(result)
+    plot_cka(result, Path(out).with_suffix(".png"))
     return result
 
 
-def plot_divergence(result, path):
-    """Divergence by layer for the pair and the seed control, as in the paper's figure."""
+def load_models(paths, device, tokenizer):
+    models = [load_model(p, device, tokenizer) for p in paths]
+    depths = [m.config.num_hidden_layers for m, _ in models]
+    if len(set(depths)) > 1:
+        raise DataError(f"models have different numbers of layers: {dict(zip(map(str, paths), depths))}")
+    return models
+
+
+def print_cka(r):
+    a, b = r["names"]
+    k = len(r.get("controls", {}).get("paths", []))
+    print(f"linear CKA, {a} vs {b}" + (f" ({k} seed controls of {a})" if k else "")
+          + f", mean of {len(r['per_seed'])} draws of {r['args']['n']} texts")
+    print(f"{'layer':>5} {'CKA':>10} {'1 - CKA':>10}" + (f" {'control':>10} {'± std':>9} {'ratio':>8}" if k else ""))
+    for layer in r["layers"]:
+        line = f"{layer:>5} {r['cka'][layer]:>10.6f} {r['divergence'][layer]:>10.3e}"
+        if k:
+            line += (f" {r['control_divergence'][layer]:>10.3e} {r['controls']['std'][layer]:>9.2e} "
+                     f"{r['ratio'][layer]:>8.2f}{'  outside the control band' if r['outside_band'][layer] else ''}")
+        print(line)
+    if k:
+        print("outside the control band: above every control" + (" and above mean + 2 std" if k >= 3 else ""))
+
+
+def plot_cka(r, path):
+    """Two panels, as a paper shows them: the ratio per layer against the controls' band (each control over their
+    mean), and the divergences with their spread (the pair's over the draws, the controls' min-max and std)."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display on a training node
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (the JSON has every number)")
+        print("matplotlib is not installed: no figure (the JSON has every number)")
         return
-    a, b, c = (Path(result["args"][k] or "").name for k in ("model_a", "model_b", "control"))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(result["layers"], result["divergence"], "o-", label=f"{a} vs {b}")
-    if "control_divergence" in result:
-        ax.plot(result["layers"], result["control_divergence"], "s--", label=f"{a} vs {c} (seed control)")
-    if min(result["divergence"] + result.get("control_divergence", [])) > 0:
+    a, b = r["names"]
+    layers, controls = r["layers"], r.get("controls")
+    fig, axes = plt.subplots(1, 2 if controls else 1, figsize=(11 if controls else 6, 3.8), squeeze=False)
+    if controls:
+        ax, mean = axes[0, 0], np.array(r["control_divergence"])
+        ax.fill_between(layers, np.array(controls["min"]) / mean, np.array(controls["max"]) / mean, alpha=0.25,
+                        color="gray", label=f"{a} seed controls (min-max)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.plot(layers, r["ratio"], "o-", label=f"{a} vs {b}")
+        outside = [layer for layer in layers if r["outside_band"][layer]]
+        ax.plot(outside, [r["ratio"][layer] for layer in outside], "r*", ms=10, label="outside the control band")
+        if all(0 < x < math.inf for x in r["ratio"]):
+            ax.set_yscale("log")  # 1x to 44x in the paper
+        ax.set(xlabel="layer", ylabel="divergence / mean control divergence", title="divergence in seed-noise units")
+        ax.legend(fontsize=8)
+    ax = axes[0, -1]
+    ax.errorbar(layers, r["divergence"], yerr=r["divergence_std"], fmt="o-", capsize=3, label=f"{a} vs {b}")
+    if controls:
+        ax.fill_between(layers, controls["min"], controls["max"], alpha=0.25, color="gray")
+        ax.errorbar(layers, r["control_divergence"], yerr=controls["std"], fmt="s--", color="gray", capsize=3,
+                    label=f"{a} vs its seed controls (mean ± std, min-max)")
+    if min(r["divergence"] + r.get("control_divergence", [])) > 0:
         ax.set_yscale("log")  # the paper's ratios span 1x to 44x
     ax.set(xlabel="layer", ylabel="1 - linear CKA", title="representation divergence by layer")
-    ax.set_xticks(result["layers"])
-    ax.legend()
+    for ax in axes[0]:
+        ax.set_xticks(layers)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=150)
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -694,7 +747,10 @@ def main(argv=None):
     p = sub.add_parser("cka", parents=[with_tokenizer], help="per-layer linear CKA of two models (and a seed control)")
     p.add_argument("model_a")
     p.add_argument("model_b")
-    p.add_argument("--control", default=None, help="a run differing from model_a only in its training seed")
+    p.add_argument("--control", dest="controls", action="append", default=[],
+                   help="a run differing from model_a only in its training seed; repeat for more")
+    p.add_argument("--names", type=lambda text: text.split(","), default=None,
+                   help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM (default: directory names)")
     p.add_argument("--texts", required=True, help="JSONL with a 'text' field (held-out texts)")
     p.add_argument("--n", type=int, default=500)
     p.add_argument("--seeds", type=seed_list, default=(42, 43, 44), help="sampling seeds, e.g. 42,43,44")

@@ -106,7 +106,7 @@ def test_cka_command(byte_models, texts, tmp_path, capsys):
     assert max(abs(d) for d in same["divergence"]) <= 1e-10
 
     out = tmp_path / "pair.json"
-    r = ev.cka(a, b, texts, control=c, n=10, seeds=(1, 2), max_len=48, out=out, batch_size=4, device="cpu")
+    r = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=out, batch_size=4, device="cpu")
     assert json.loads(out.read_text())["ratio"] == pytest.approx(r["ratio"])
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "ratio" in capsys.readouterr().out
@@ -115,9 +115,44 @@ def test_cka_command(byte_models, texts, tmp_path, capsys):
     per_seed = np.mean([s["cka"] for s in r["per_seed"].values()], axis=0)
     assert r["cka"] == pytest.approx(per_seed.tolist(), abs=1e-15)
     # padding must not enter the mean: one text per batch (no padding) gives the same numbers
-    alone = ev.cka(a, b, texts, control=c, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
+    alone = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
                    batch_size=1, device="cpu")
     assert alone["cka"] == pytest.approx(r["cka"], abs=1e-6)
+
+
+def test_cka_several_controls(byte_models, texts, tmp_path, capsys, monkeypatch):
+    """Three controls: each control's divergence is what a one-control run gives; mean, std, min, max, ratio and
+    the band follow their definitions; the names reach the table; no matplotlib means no figure, not a failure."""
+    a, b, c = byte_models
+    controls = [c, make_model(tmp_path / "r1", 1, **BYTE_IDS), make_model(tmp_path / "r2", 2, **BYTE_IDS)]
+    kw = dict(n=8, seeds=(1, 2), max_len=32, device="cpu")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    r = ev.cka(a, b, texts, controls=controls, names=["CLM", "MLM"], out=tmp_path / "three.json", **kw)
+    shown = capsys.readouterr().out
+    assert "CLM vs MLM (3 seed controls of CLM)" in shown and "matplotlib is not installed" in shown
+    assert not (tmp_path / "three.png").exists()
+    each = np.array(r["controls"]["divergence"])  # (controls, layers)
+    for k, control in enumerate(controls):
+        alone = ev.cka(a, b, texts, controls=[control], out=tmp_path / f"one{k}.json", **kw)
+        assert each[k] == pytest.approx(alone["control_divergence"], abs=1e-12)
+    assert r["control_divergence"] == pytest.approx(each.mean(0).tolist(), abs=1e-15)
+    assert r["controls"]["std"] == pytest.approx(each.std(0, ddof=1).tolist(), abs=1e-15)
+    assert r["controls"]["max"] == pytest.approx(each.max(0).tolist()) and r["controls"]["min"] == each.min(0).tolist()
+    band = each.mean(0) + 2 * each.std(0, ddof=1)
+    for layer, d in enumerate(r["divergence"]):
+        assert r["ratio"][layer] == pytest.approx(d / each[:, layer].mean(), rel=1e-12)
+        assert r["outside_band"][layer] == bool(d > each[:, layer].max() and d > band[layer])
+    assert len(r["per_seed"]) == 2 and all(len(s["control_cka"]) == 3 for s in r["per_seed"].values())
+    saved = json.loads((tmp_path / "three.json").read_text())
+    assert saved["names"] == ["CLM", "MLM"] and saved["outside_band"] == r["outside_band"]
+
+
+def test_control_band_definition():
+    assert ev.control_band(0.5, [0.1, 0.2])["outside"] and not ev.control_band(0.15, [0.1, 0.2])["outside"]
+    # above the max but not above mean + 2 std (three controls, wide spread): inside
+    wide = ev.control_band(1.05, [0.1, 0.2, 1.0])
+    assert wide["max"] == 1.0 and wide["mean"] + 2 * wide["std"] > 1.05 and not wide["outside"]
+    assert ev.control_band(0.4, [0.1, 0.11, 0.12])["ratio"] == pytest.approx(0.4 / 0.11)
 
 
 def test_cka_checks_its_input(byte_models, texts, tmp_path):
