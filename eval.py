@@ -637,9 +637,29 @@ def summarize(task, runs, baseline, epochs):
             "baseline": {"test": baseline}}
 
 
+def seed_result(base, task, data, seed, s, path, setting):
+    """A (task, seed) result: read from path when an earlier call wrote it with the same setting, else trained
+    now and written at once, with the test predictions."""
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            same, result = saved["setting"] == json.loads(json.dumps(setting)), saved["result"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: not a seed file of `eval.py finetune` ({type(e).__name__}: {e}); delete it") from None
+        if not same:
+            raise DataError(f"{path}: written with other settings ({saved['setting']}); delete it or choose another --out")
+        print(f"  seed {seed}: skip, done in {path}")
+        return result
+    result, predictions = train_seed(base, task, data, seed, s)
+    write_json(str(path), {"setting": setting, "result": result, "predictions": predictions})
+    return result
+
+
 def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5, max_len=512,
              train_subset=None, eval_subset=None, batch_size=16, pooling="cls", device=None, tokenizer=None):
-    """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and returns it."""
+    """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and returns it.
+    Each (task, seed) is written as soon as it is done, with its test predictions, to <out stem>.seeds/<task>-seed<N>
+    .json; a later call with the same settings skips the pairs found there (an interrupted evaluation resumes)."""
     device = device or default_device()
     tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
     names = [t["name"] for t in tasks]
@@ -650,6 +670,8 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len, train_subset=train_subset,
                 eval_subset=eval_subset, batch_size=batch_size, pooling=pooling, tokenizer=tok.spec)
     results = {"model": str(model), "args": args, "tasks": {}}
+    seed_dir = Path(out).with_suffix(".seeds")
+    seed_dir.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         kind = task["kind"]
         examples = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
@@ -657,7 +679,9 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
         n_epochs = epochs or kind.epochs
         print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
               f"{'/'.join(str(len(examples[s])) for s in SPLITS)} examples, {n_epochs} epochs")
-        runs = {str(seed): train_seed(base, task, data, seed, s)[0] for seed in seeds}
+        setting = {**args, "seeds": None, "task": task["files"]}  # what a seed file must match to be reused
+        runs = {str(seed): seed_result(base, task, data, seed, s, seed_dir / f"{task['name']}-seed{seed}.json", setting)
+                for seed in seeds}
         test = examples["test"]
         baseline = kind.score([ex["label"] for ex in test], kind.majority(task["train"], test, task["labels"]),
                               task["labels"])
@@ -670,25 +694,50 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     return results
 
 
-def table(files):
-    """Models side by side: a row per task, a column per results file, cells mean ± std (x100) over seeds."""
-    loaded = []
-    for path in files:
-        try:
-            loaded.append(json.loads(Path(path).read_text())["tasks"])
-        except (OSError, ValueError, KeyError) as e:
-            raise DataError(f"{path}: not a results file of `eval.py finetune` ({type(e).__name__}: {e})") from None
+def load_results(path):
+    try:
+        return json.loads(Path(path).read_text())["tasks"]
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(f"{path}: not a results file of `eval.py finetune` ({type(e).__name__}: {e})") from None
 
-    def cell(r):
-        if r is None:
-            return "-"
-        text = lambda m: f"{100 * r['mean'][m]:.2f} ± {100 * r['std'][m]:.2f}"
-        return text(r["primary"]) + (f" (macro {text('macro_f1')})" if r["primary"] != "macro_f1" else "")
 
-    names = list(dict.fromkeys(name for tasks in loaded for name in tasks))
-    primary = {name: next(t[name]["primary"] for t in loaded if name in t) for name in names}
-    rows = [["task", *map(str, files)]] + [[f"{name} [{primary[name]}]", *(cell(t.get(name)) for t in loaded)]
-                                          for name in names]
+def paired_difference(a_json, b_json):
+    """B - A per task on the primary metric, seed by seed over the seeds both ran (the same seed means the same
+    classifier init and data order, so the pairing removes that noise): {task: {"metric", "seeds", "difference"
+    (per seed), "mean", "std" (ddof=1; 0 for one seed)}}. Tasks without a shared seed are left out."""
+    a, b = load_results(a_json), load_results(b_json)
+    out = {}
+    for name in [n for n in a if n in b]:
+        metric, seeds = a[name]["primary"], [s for s in a[name]["seeds"] if s in b[name]["seeds"]]
+        diff = [b[name]["seeds"][s]["test"][metric] - a[name]["seeds"][s]["test"][metric] for s in seeds]
+        if diff:
+            out[name] = {"metric": metric, "seeds": seeds, "difference": diff, "mean": float(np.mean(diff)),
+                         "std": float(np.std(diff, ddof=1)) if len(diff) > 1 else 0.0}
+    return out
+
+
+def table(files, paired=False):
+    """Models side by side: a row per task, a column per results file, cells mean ± std (x100) over seeds.
+    paired: two files A B, and the rows are B - A seed by seed (paired_difference)."""
+    if paired:
+        if len(files) != 2:
+            raise DataError(f"--paired compares two results files, got {len(files)}")
+        rows = [["task", f"{files[1]} - {files[0]}", "seeds"]] + [
+            [f"{name} [{d['metric']}]", f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f}", str(len(d["seeds"]))]
+            for name, d in paired_difference(*files).items()]
+    else:
+        loaded = [load_results(path) for path in files]
+
+        def cell(r):
+            if r is None:
+                return "-"
+            text = lambda m: f"{100 * r['mean'][m]:.2f} ± {100 * r['std'][m]:.2f}"
+            return text(r["primary"]) + (f" (macro {text('macro_f1')})" if r["primary"] != "macro_f1" else "")
+
+        names = list(dict.fromkeys(name for tasks in loaded for name in tasks))
+        primary = {name: next(t[name]["primary"] for t in loaded if name in t) for name in names}
+        rows = [["task", *map(str, files)]] + [[f"{name} [{primary[name]}]", *(cell(t.get(name)) for t in loaded)]
+                                              for name in names]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
     print(text)
@@ -773,6 +822,7 @@ def main(argv=None):
 
     p = sub.add_parser("table", help="results files of `finetune` side by side")
     p.add_argument("files", nargs="+")
+    p.add_argument("--paired", action="store_true", help="two files A B: B - A per task, seed by seed")
 
     p = sub.add_parser("mlm", parents=[common], help="masked-token loss and accuracy on val.bin")
     p.add_argument("model")

@@ -321,6 +321,42 @@ def test_finetune_multilabel(byte_models, tmp_path):
     assert r["mean"]["micro_f1"] > 0.6
 
 
+def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tmp_path, capsys):
+    task = multilabel_task(tmp_path / "animals")
+    kw = dict(epochs=1, lr=2e-3, max_len=48, pooling="mean", device="cpu")
+    first = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
+    files = sorted((tmp_path / "a.seeds").glob("*.json"))
+    assert [f.name for f in files] == ["animals-seed1.json", "animals-seed2.json"]
+    saved = json.loads(files[0].read_text())
+    assert len(saved["predictions"]) == 32 and all(set(p) <= {"cat", "dog", "owl"} for p in saved["predictions"])
+    assert saved["result"] == first["tasks"]["animals"]["seeds"]["1"]
+    stamps = [f.stat().st_mtime_ns for f in files]
+    capsys.readouterr()
+    again = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
+    assert capsys.readouterr().out.count("skip") == 2 and [f.stat().st_mtime_ns for f in files] == stamps
+    assert again == first
+    with pytest.raises(DataError, match=r"animals-seed1.json: written with other settings"):
+        ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **{**kw, "lr": 1e-3})
+
+    # paired difference: a second model on seeds 2 and 3; only seed 2 is shared
+    ev.finetune(byte_models[1], [task], seeds=(2, 3), out=tmp_path / "b.json", **kw)
+    b = json.loads((tmp_path / "b.json").read_text())["tasks"]["animals"]
+    d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["animals"]
+    expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
+    assert d["seeds"] == ["2"] and d["difference"] == [pytest.approx(expected)] and d["std"] == 0.0
+    assert f"{100 * expected:+.2f} ± 0.00" in ev.table([tmp_path / "a.json", tmp_path / "b.json"], paired=True)
+
+
+def test_paired_difference_over_several_seeds(tmp_path):
+    rng = np.random.default_rng(0)
+    a, b = rng.random(5), rng.random(5)
+    for name, values in (("a", a), ("b", b)):
+        seeds = {str(42 + i): {"test": {"macro_f1": float(v)}} for i, v in enumerate(values)}
+        write(tmp_path / f"{name}.json", json.dumps({"tasks": {"t": {"primary": "macro_f1", "seeds": seeds}}}))
+    d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["t"]
+    assert d["mean"] == pytest.approx(np.mean(b - a)) and d["std"] == pytest.approx(np.std(b - a, ddof=1))
+
+
 @pytest.mark.slow
 def test_finetune_ner_longer_run(modernbert_model, tmp_path):
     task = need(TASKS / "ncbi_disease" / "train.tsv").parent
