@@ -79,7 +79,7 @@ class Config:
     max_steps: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0: run to the budget
     resume: bool = False  # continue out_dir exactly where it stopped
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # CPU intra-op threads per process; 0: $OMP_NUM_THREADS, else the cores / local processes
+    threads: int = 0  # CPU intra-op threads per process; 0: $OMP_NUM_THREADS, else the idle cores / local processes
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
     backend: str = "auto"  # attention: auto | flash | flex | sdpa
@@ -108,7 +108,7 @@ PHASES = {
 # What a phase hand-off inherits from the run it continues: the same model, data, batch and optimizer.
 INHERITED = ("recipe", "preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1", "beta2", "eps",
              "weight_decay", "grad_clip", "dropout", "separate_documents", "seed", "data_seed", "dtype")
-PER_INVOCATION = ("resume", "max_steps", "device", "threads")  # never taken from a saved configuration
+PER_INVOCATION = ("resume", "max_steps", "device")  # never taken from a saved configuration
 FIELDS = {f.name: f.type.__name__ for f in dataclasses.fields(Config)}  # "int", "float", "bool", "str"
 
 
@@ -492,14 +492,17 @@ def pick_device(requested, local_rank):
 
 
 def pick_threads(requested):
-    """Intra-op threads of this CPU process. One per core is the default of PyTorch; with several processes
-    on one machine, or other work on it, that oversubscribes the cores (issue #9 measured 4.7x the CPU time)."""
+    """Intra-op threads of this CPU process. PyTorch's default, a thread per core in every process, oversubscribes
+    a machine that runs anything else: on 2 cores next to one busy process the demo took 1.8x the wall time and
+    2.4x the CPU time with 2 threads than with 1 (README). So: the cores that are idle now, shared by the
+    processes torchrun starts here. The resolved number is saved, so --resume keeps it (bit-identical results)."""
     if requested:
         return requested
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    idle = cores - round(os.getloadavg()[0])
+    return max(1, min(cores, idle) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def duration(seconds):
@@ -649,7 +652,8 @@ def main(argv=None):
     else:
         start = "weights"  # a Hugging Face checkpoint, or our run's weights alone
     cfg, accum, start_run, lock = configure(flags, start, master, world)  # lock: held (open) until the process ends
-    torch.set_num_threads(pick_threads(cfg.threads))
+    cfg.threads = pick_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads)
 
     out_dir = cfg.out_dir
 
