@@ -53,11 +53,21 @@ def find_tokenizer(model_dir, spec=None):
     if (folder / "tokenizer.json").is_file():
         return load_tokenizer(folder / "tokenizer.json")
     if (folder / "state.json").is_file():
-        recorded = json.loads((folder / "state.json").read_text()).get("tokenizer")
+        recorded = read_object(folder / "state.json").get("tokenizer")
         if recorded:
             return load_tokenizer(recorded)
     raise DataError(f"{model_dir}: no tokenizer.json and no 'tokenizer' in state.json; pass --tokenizer "
                     f"(a tokenizer.json, a hub id, or 'bytes')")
+
+
+def read_object(path):
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def load_model(path, device, tokenizer=None):
@@ -191,6 +201,7 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
 
     Per layer: divergence = 1 - CKA(A, B); the controls' 1 - CKA(A, C_i), their mean, std, min and max;
     ratio = divergence / mean control divergence; outside_band (see control_band)."""
+    check("cka", locals())
     device = device or default_device()
     pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
     if n > len(pool):
@@ -307,48 +318,65 @@ def plot_cka(r, path):
 SPLITS = ("train", "dev", "test")
 
 
+def lines(path):
+    """(number, line) of a UTF-8 text file, a byte-order mark dropped (spreadsheet exports write one); invalid
+    UTF-8 is an error naming the line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{number}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+
+
 def read_tsv(path):
-    """Sentences of an IOB2 token<TAB>tag file, a blank line between sentences."""
+    """Sentences of an IOB2 token<TAB>tag file, a blank line between sentences; spaces around a tag are dropped."""
     sentences, words, tags, first = [], [], [], 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                if words:
-                    sentences.append({"words": words, "label": tags, "line": first})
-                    words, tags = [], []
-                continue
-            parts = line.split("\t")
-            iob2 = len(parts) == 2 and (parts[1] == "O" or parts[1][:2] in ("B-", "I-") and len(parts[1]) > 2)
-            if not iob2 or not parts[0]:
-                raise DataError(f"{path}:{number}: expected token<TAB>tag with an IOB2 tag (O, B-type, I-type), "
-                                f"got {line!r}")
-            first = first if words else number
-            words.append(parts[0])
-            tags.append(parts[1])
+    for number, line in lines(path):
+        if not line.strip():
+            if words:
+                sentences.append({"words": words, "label": tags, "line": first})
+                words, tags = [], []
+            continue
+        parts = line.split("\t")
+        tag = parts[-1].strip()
+        iob2 = len(parts) == 2 and (tag == "O" or tag[:2] in ("B-", "I-") and len(tag) > 2)
+        if not iob2 or not parts[0]:
+            raise DataError(f"{path}:{number}: expected token<TAB>tag with an IOB2 tag (O, B-type, I-type), "
+                            f"got {line!r}")
+        first = first if words else number
+        words.append(parts[0])
+        tags.append(tag)
     return sentences + ([{"words": words, "label": tags, "line": first}] if words else [])
 
 
+def label_text(label):
+    """Labels are names: integer class ids (as many datasets ship them) are read as their decimal strings."""
+    is_int = isinstance(label, int) and not isinstance(label, bool)
+    return str(label) if is_int else label
+
+
 def read_jsonl(path, labelled=True):
-    """Examples of a JSONL file: text, optional text_pair, label (a string, or a list of strings: multi-label)."""
+    """Examples of a JSONL file: text, optional text_pair, label (a string or an integer, or a list of them:
+    multi-label)."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
-            row = row if isinstance(row, dict) else {}
-            label = row.get("label")
-            ok = isinstance(row.get("text"), str) and isinstance(row.get("text_pair") or "", str)
-            if labelled:
-                ok = ok and isinstance(label, (str, list)) and all(isinstance(x, str) for x in label)
-            if not ok:
-                raise DataError(f"{path}:{number}: expected an object with 'text' (a string)" + (", 'label' (a string "
-                                "or a list of strings) and optionally 'text_pair' (a string)" if labelled else ""))
-            examples.append({"text": row["text"], "text_pair": row.get("text_pair"), "label": label, "line": number})
+    for number, line in lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
+        row = row if isinstance(row, dict) else {}
+        label = row.get("label")
+        label = [label_text(x) for x in label] if isinstance(label, list) else label_text(label)
+        ok = isinstance(row.get("text"), str) and isinstance(row.get("text_pair") or "", str)
+        if labelled:
+            ok = ok and isinstance(label, (str, list)) and all(isinstance(x, str) for x in label)
+        if not ok:
+            raise DataError(f"{path}:{number}: expected an object with 'text' (a string)" + (", 'label' (a string "
+                            "or an integer, or a list of them) and optionally 'text_pair' (a string)" if labelled else ""))
+        examples.append({"text": row["text"], "text_pair": row.get("text_pair"), "label": label, "line": number})
     return examples
 
 
@@ -362,8 +390,7 @@ def most_common(labels):
 
 class TokenClassification:
     """IOB2 tags, one per word, predicted on the word's first sub-token; entity-level F1 as seqeval computes it."""
-    name, suffix, primary, epochs, per_token = "token", ".tsv", "entity_f1", 20, True
-    read = staticmethod(read_tsv)
+    name, primary, epochs, per_token = "token", "entity_f1", 20, True
 
     def labels_of(self, example):  # (label, line) pairs, for the label-set checks
         return [(tag, example["line"] + k) for k, tag in enumerate(example["label"])]
@@ -388,6 +415,10 @@ class TokenClassification:
     def stack(self, targets, device):
         return pad_batch(targets, IGNORE_INDEX, device)[0]  # (B, T)
 
+    def truncation(self, examples, encoded, max_len):
+        cut = [len(ex["words"]) - sum(t != IGNORE_INDEX for t in target) for ex, (_, target) in zip(examples, encoded)]
+        return f"--max_len={max_len} cuts {sum(cut):,} words in {sum(c > 0 for c in cut):,} of {len(cut):,} sentences"
+
     loss = staticmethod(cross_entropy)
 
     def decode(self, logits, target, example, labels):  # logits (T, C); the first sub-tokens are where target is set
@@ -405,8 +436,7 @@ class TokenClassification:
 
 class SequenceClassification:
     """What the JSONL kinds share: [CLS] text [SEP] (text_pair [SEP]), one target per example, macro-F1."""
-    suffix, primary, epochs, per_token = ".jsonl", "macro_f1", 10, False
-    read = staticmethod(read_jsonl)
+    primary, epochs, per_token = "macro_f1", 10, False
 
     def encode(self, labels, examples, tok, max_len):
         texts = tok.encode_batch([ex["text"] for ex in examples])
@@ -423,6 +453,10 @@ class SequenceClassification:
 
     def stack(self, targets, device):
         return torch.tensor(targets, device=device)  # (B,) or (B, C)
+
+    def truncation(self, examples, encoded, max_len):  # a text exactly max_len long is counted too: rare enough
+        full = sum(len(ids) >= max_len for ids, _ in encoded)
+        return f"--max_len={max_len}: {full:,} of {len(encoded):,} examples fill it (their text is cut)"
 
 
 class SingleLabel(SequenceClassification):
@@ -490,8 +524,8 @@ def read_task(folder):
             raise DataError(f"{files[split]}: no examples")
     multi = isinstance(examples["train"][0]["label"], list)
     kind = TokenClassification() if ext == ".tsv" else MultiLabel() if multi else SingleLabel()
-    known = set()
-    for split in SPLITS:  # train defines the label set; dev and test may only use it
+    known, unseen = set(), {}
+    for split in SPLITS:  # train defines the label set (the classifier's outputs)
         for ex in examples[split]:
             if ext == ".jsonl" and isinstance(ex["label"], list) != multi:
                 raise DataError(f"{files[split]}:{ex['line']}: label {ex['label']!r} mixes single-label and "
@@ -499,12 +533,15 @@ def read_task(folder):
             for label, line in kind.labels_of(ex):
                 if split == "train":
                     known.add(label)
-                elif label not in known:
-                    raise DataError(f"{files[split]}:{line}: label {label!r} does not occur in {files['train']}")
+                elif label not in known and (split, label) not in unseen:
+                    unseen[split, label] = f"{files[split]}:{line}: label {label!r} does not occur in {files['train']}"
     if not known:
         raise DataError(f"{files['train']}: no labels at all")
-    return {"name": folder.name, "kind": kind, "labels": sorted(known), "files": {s: str(p) for s, p in files.items()},
-            **examples}
+    for message in unseen.values():  # a real test set can hold a rare label that train lacks: it costs recall
+        print(f"warning: {message}; it is never predicted and counts as missed", file=sys.stderr)
+    labels = sorted(known)
+    return {"name": folder.name, "kind": kind, "labels": labels, "files": {s: str(p) for s, p in files.items()},
+            "scored": labels + sorted({label for _, label in unseen}), **examples}
 
 
 def fit_pair(a, b, budget):
@@ -572,7 +609,7 @@ def predict(model, task, examples, encoded, s):
 def evaluate(model, task, split, s):
     """(metrics, predictions) of model on split = (examples, encoded)."""
     preds = predict(model, task, *split, s)
-    return task["kind"].score([ex["label"] for ex in split[0]], preds, task["labels"]), preds
+    return task["kind"].score([ex["label"] for ex in split[0]], preds, task["scored"]), preds
 
 
 def optimizer_for(model, lr):
@@ -641,15 +678,12 @@ def seed_result(base, task, data, seed, s, path, setting):
     """A (task, seed) result: read from path when an earlier call wrote it with the same setting, else trained
     now and written at once, with the test predictions."""
     if path.is_file():
-        try:
-            saved = json.loads(path.read_text())
-            same, result = saved["setting"] == json.loads(json.dumps(setting)), saved["result"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{path}: not a seed file of `eval.py finetune` ({type(e).__name__}: {e}); delete it") from None
-        if not same:
-            raise DataError(f"{path}: written with other settings ({saved['setting']}); delete it or choose another --out")
+        saved = read_object(path)
+        if saved.get("setting") != json.loads(json.dumps(setting)) or "result" not in saved:
+            raise DataError(f"{path}: written with other settings ({saved.get('setting')}); delete it or choose "
+                            f"another --out")
         print(f"  seed {seed}: skip, done in {path}")
-        return result
+        return saved["result"]
     result, predictions = train_seed(base, task, data, seed, s)
     write_json(str(path), {"setting": setting, "result": result, "predictions": predictions})
     return result
@@ -662,6 +696,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     .json; a later call with the same settings skips the pairs found there (an interrupted evaluation resumes)."""
     device = device or default_device()
     tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
+    check("finetune", locals())
     names = [t["name"] for t in tasks]
     if len(set(names)) < len(names):
         raise DataError(f"task folders must have distinct names, got {names}")
@@ -675,7 +710,9 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     for task in tasks:
         kind = task["kind"]
         examples = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
-        data = {s: (examples[s], kind.encode(task["labels"], examples[s], tok, max_len)) for s in SPLITS}
+        data = {s: (examples[s], kind.encode(task["scored"], examples[s], tok, max_len)) for s in SPLITS}
+        print(kind.truncation(data["train"][0] + data["dev"][0] + data["test"][0],
+                              data["train"][1] + data["dev"][1] + data["test"][1], max_len))
         n_epochs = epochs or kind.epochs
         print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
               f"{'/'.join(str(len(examples[s])) for s in SPLITS)} examples, {n_epochs} epochs")
@@ -684,7 +721,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
                 for seed in seeds}
         test = examples["test"]
         baseline = kind.score([ex["label"] for ex in test], kind.majority(task["train"], test, task["labels"]),
-                              task["labels"])
+                              task["scored"])
         summary = results["tasks"][task["name"]] = summarize(task, runs, baseline, n_epochs)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_json(str(out), results)
@@ -695,10 +732,10 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
 
 
 def load_results(path):
-    try:
-        return json.loads(Path(path).read_text())["tasks"]
-    except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"{path}: not a results file of `eval.py finetune` ({type(e).__name__}: {e})") from None
+    tasks = read_object(path).get("tasks")
+    if not isinstance(tasks, dict):
+        raise DataError(f"{path}: not a results file of `eval.py finetune` (no 'tasks' object)")
+    return tasks
 
 
 def paired_difference(a_json, b_json):
@@ -752,6 +789,7 @@ def table(files, paired=False):
 def mlm(model, data, n_sequences=64, seq_len=512, seed=0, batch_size=8, device=None):
     """15% of the non-special positions chosen with a fixed seed (80% [MASK], 10% random, 10% kept, as in training);
     loss and accuracy (argmax == original id) over all chosen positions of the first n_sequences windows."""
+    check("mlm", locals())
     device = device or default_device()
     net = ModernBERT.from_pretrained(resolve_checkpoint(str(model))).to(device).eval()
     meta, c = load_meta(data), net.config
@@ -777,6 +815,47 @@ def mlm(model, data, n_sequences=64, seq_len=512, seed=0, batch_size=8, device=N
 
 
 # ----------------------------------------------------------------------------
+# Input checks: every flag of a command and every model directory, before any file is read or model loaded
+
+
+def check(command, a):
+    """Raise one DataError naming the first bad flag or model directory of command (a: its arguments)."""
+    counts = {"cka": ("n", "batch_size"), "finetune": ("epochs", "batch_size", "train_subset", "eval_subset"),
+              "mlm": ("n_sequences", "seq_len", "batch_size")}[command]
+    rules = [(a[k] is None or a[k] >= 1, f"--{k} must be >= 1, got {a[k]}") for k in counts]  # None: the default
+    if "max_len" in a:
+        rules.append((a["max_len"] >= 4, f"--max_len must be >= 4 ([CLS], [SEP] and some text), got {a['max_len']}"))
+    if "seeds" in a:
+        rules.append((len(a["seeds"]) > 0, "--seeds must list at least one seed, e.g. 42,43,44"))
+    if "lr" in a:
+        rules.append((0 < a["lr"] < math.inf, f"--lr must be a positive number, got {a['lr']}"))
+    if a.get("names") is not None:
+        rules.append((len(a["names"]) == 2 and all(a["names"]), f"--names must be two names, for model_a and "
+                      f"model_b (e.g. MLM,CLM), got {','.join(a['names'])!r}"))
+    if "texts" in a:
+        rules.append((Path(a["texts"]).is_file(), f"--texts={a['texts']}: no such file"))
+    for ok, message in rules:
+        if not ok:
+            raise DataError(message)
+    for model in [a[k] for k in ("model", "model_a", "model_b") if k in a] + list(a.get("controls", ())):
+        check_model(str(model))
+
+
+def check_model(path):
+    """A local model directory must hold a config.json, and its JSON files must parse; a name that is not a
+    local path (no such directory, one slash, e.g. answerdotai/ModernBERT-base) is left to the hub."""
+    folder = Path(path)
+    local = folder.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1 or folder.parent.is_dir()
+    if not local:
+        return
+    if not (folder / "config.json").is_file():
+        raise DataError(f"{path}: not a model directory (no config.json there)")
+    for name in ("config.json", "state.json"):
+        if (folder / name).is_file():
+            read_object(folder / name)
+
+
+# ----------------------------------------------------------------------------
 # Command line
 
 
@@ -784,8 +863,14 @@ def seed_list(text):
     return tuple(int(s) for s in text.split(","))
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other input error
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
+    parser = Parser(description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default=None, help="default: cuda when available, else cpu")

@@ -2,6 +2,7 @@
 on the real tasks (skipped visibly without them), the CKA and MLM commands, and bad task input."""
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -9,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
+from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
 
 import eval as ev
 from data import DataError, load_tokenizer, prepare, val_batches
 from model import ModernBERT, ModernBERTConfig
 
 TASKS = SHARED_DATA / "tasks"
-BYTE_IDS = dict(vocab_size=320, cls_token_id=256, sep_token_id=257, pad_token_id=258, mask_token_id=259)
 
 
 def make_model(path, seed, tokenizer="bytes", **config):
@@ -375,7 +375,7 @@ def write(path, text):
     return path
 
 
-def test_bad_task_input_is_named(tmp_path):
+def test_bad_task_input_is_named(tmp_path, capsys):
     good = '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n'
     for split in ("train", "dev"):
         write(tmp_path / "nosplit" / f"{split}.jsonl", good)
@@ -385,8 +385,10 @@ def test_bad_task_input_is_named(tmp_path):
     for split in ("train", "dev", "test"):
         extra = '{"text": "c", "label": "z"}\n' if split == "test" else ""
         write(tmp_path / "unseen" / f"{split}.jsonl", good + extra)
-    with pytest.raises(DataError, match=r"unseen/test.jsonl:3: label 'z' does not occur in .*train.jsonl"):
-        ev.read_task(tmp_path / "unseen")
+    # a label only in test (issue 11): a warning naming file, line and label; scored, never predicted
+    task = ev.read_task(tmp_path / "unseen")
+    assert re.search(r"warning: .*unseen/test.jsonl:3: label 'z' does not occur in .*train.jsonl", capsys.readouterr().err)
+    assert task["labels"] == ["x", "y"] and task["scored"] == ["x", "y", "z"]
 
     for split in ("train", "dev", "test"):
         write(tmp_path / "badjson" / f"{split}.jsonl", good + ('{"text": "c", "label":\n' if split == "dev" else ""))
@@ -400,8 +402,8 @@ def test_bad_task_input_is_named(tmp_path):
     for split in ("train", "dev", "test"):
         write(tmp_path / "tsv" / f"{split}.tsv", sentences)
     write(tmp_path / "tsv" / "dev.tsv", sentences + "\nfever\tB-Sym\n")
-    with pytest.raises(DataError, match=r"tsv/dev.tsv:7: label 'B-Sym' does not occur in .*train.tsv"):
-        ev.read_task(tmp_path / "tsv")
+    assert ev.read_task(tmp_path / "tsv")["scored"] == ["B-D", "O", "B-Sym"]
+    assert re.search(r"warning: .*tsv/dev.tsv:7: label 'B-Sym' does not occur in .*train.tsv", capsys.readouterr().err)
     write(tmp_path / "tsv" / "dev.tsv", sentences.replace("cures\tO", "cures O"))
     with pytest.raises(DataError, match=r"tsv/dev.tsv:2: expected token<TAB>tag"):
         ev.read_task(tmp_path / "tsv")
