@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -36,6 +37,14 @@ from model import IGNORE_INDEX, ModernBERT, resolve_checkpoint, write_json
 
 def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_threads():
+    """torch's default intra-op threads (OMP_NUM_THREADS when set, else every core of the machine) capped to the
+    cores this process may run on: in a container or under taskset torch counts cores it cannot use, and the
+    surplus threads made eval.py 10x slower on a busy 2-core machine (issue 13)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(torch.get_num_threads(), cores)
 
 
 def autocast(device):
@@ -863,6 +872,12 @@ def seed_list(text):
     return tuple(int(s) for s in text.split(","))
 
 
+def at_least_one(text):
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {text}")
+    return int(text)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, as every other input error
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
@@ -870,10 +885,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    parser = Parser(description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
+    parser = Parser(prog="eval.py", description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    common.add_argument("--threads", type=at_least_one, default=None,
+                        help="CPU intra-op threads (default: torch's, capped to the cores this process may use)")
     with_tokenizer = argparse.ArgumentParser(add_help=False, parents=[common])
     with_tokenizer.add_argument("--tokenizer", default=None, help="tokenizer.json, hub id or 'bytes' (default: the "
                                 "model directory's tokenizer.json, else the spec in its state.json)")
@@ -919,6 +936,9 @@ def main(argv=None):
 
     args = vars(parser.parse_args(argv))
     command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm}[args.pop("command")]
+    if command is not table:
+        torch.set_num_threads(args.pop("threads") or default_threads())
+        print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
     try:
         command(**args)
     except (ValueError, FileNotFoundError) as e:  # bad input (DataError is a ValueError; so are bad configs)

@@ -2,11 +2,13 @@
 file, before any model is loaded; and the task-file quirks real datasets have (BOM, trailing spaces, integer
 labels, a label only in test, words cut by --max_len)."""
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import BYTE_IDS, ROOT
 
@@ -71,7 +73,18 @@ def test_bad_input_is_one_line_and_exit_2(inputs, argv, expected, capsys, monkey
 def test_bad_input_from_the_shell_has_no_traceback(inputs):
     run = subprocess.run([sys.executable, str(ROOT / "eval.py"), "finetune", inputs["model"], f"--task={inputs['task']}",
                           "--epochs=0"], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr == "error: --epochs must be >= 1, got 0\n" and run.stdout == ""
+    assert run.returncode == 2 and run.stderr == "error: --epochs must be >= 1, got 0\n"
+    assert run.stdout == f"threads: {min(torch.get_num_threads(), len(os.sched_getaffinity(0)))} intra-op (--threads to change)\n"
+
+
+def test_threads(monkeypatch, capsys):
+    monkeypatch.setattr(ev.os, "sched_getaffinity", lambda pid: {0})
+    assert ev.default_threads() == 1
+    monkeypatch.setattr(ev.os, "sched_getaffinity", lambda pid: set(range(4096)))
+    assert ev.default_threads() == torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit:
+        ev.main(["mlm", "model", "--data=data", "--threads=0"])
+    assert exit.value.code == 2 and capsys.readouterr().err == "error: argument --threads: expected at least 1, got 0 (see eval.py mlm --help)\n"
 
 
 def test_bom_and_trailing_spaces_are_dropped(tmp_path):
