@@ -2,14 +2,16 @@
 Evaluation of ModernBERT checkpoints: how far a run's representations moved (CKA), what they are worth
 downstream (fine-tuning), and how well the MLM head still predicts.
 
-    python eval.py cka RUN_CLM RUN_MLM_A --control=RUN_MLM_B --texts=heldout.jsonl --out=out/cka.json
+    python eval.py cka RUN_MLM RUN_CLM --control=RUN_MLM_SEED2 --control=RUN_MLM_SEED3 --control=RUN_MLM_SEED4 \
+        --names=MLM,CLM --texts=heldout.jsonl --out=out/cka.json
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
-    python eval.py table out/ft_mlm.json out/ft_clm.json
+    python eval.py table out/ft_mlm.json out/ft_clm.json            # add --paired for CLM - MLM seed by seed
     python eval.py mlm RUN --data=data/demo
 
 A model is a Hugging Face ModernBERT directory (or hub id) or one of our run directories. Sections:
 models and tokenizers, metrics (as scikit-learn and seqeval compute them), CKA (SPEC §4), tasks (the two
-formats of data/README.md), fine-tuning (SPEC §5), MLM quality, command line.
+formats of data/README.md, one class per task kind), fine-tuning (SPEC §5), MLM quality, input checks,
+command line. Every bad flag or input file ends in one line `error: ...` and exit code 2.
 """
 import argparse
 import contextlib
@@ -477,7 +479,7 @@ class SingleLabel(SequenceClassification):
         return [(example["label"], example["line"])]
 
     def target(self, label, labels):
-        return labels.index(label) if label in labels else IGNORE_INDEX
+        return labels.index(label)
 
     def decode(self, logits, target, example, labels):
         return labels[logits.argmax()]
@@ -602,8 +604,10 @@ def collate(batch, kind, pad_id, device):
 
 
 @torch.no_grad()
-def predict(model, task, examples, encoded, s):
-    """One prediction per example: a label, a list of labels, or one tag per word."""
+def evaluate(model, task, split, s):
+    """(metrics, predictions) on split = (examples, encoded); a prediction is a label, a list of labels, or one tag
+    per word."""
+    examples, encoded = split
     model.eval()
     preds = [None] * len(encoded)
     for idx in batches_by_length([ids for ids, _ in encoded], s.batch_size):
@@ -612,12 +616,6 @@ def predict(model, task, examples, encoded, s):
             logits = model(ids, mask).float().cpu()
         for row, i in enumerate(idx):
             preds[i] = task["kind"].decode(logits[row], targets[row].cpu(), examples[i], task["labels"])
-    return preds
-
-
-def evaluate(model, task, split, s):
-    """(metrics, predictions) of model on split = (examples, encoded)."""
-    preds = predict(model, task, *split, s)
     return task["kind"].score([ex["label"] for ex in split[0]], preds, task["scored"]), preds
 
 
@@ -800,8 +798,9 @@ def mlm(model, data, n_sequences=64, seq_len=512, seed=0, batch_size=8, device=N
     loss and accuracy (argmax == original id) over all chosen positions of the first n_sequences windows."""
     check("mlm", locals())
     device = device or default_device()
+    meta = load_meta(data)
     net = ModernBERT.from_pretrained(resolve_checkpoint(str(model))).to(device).eval()
-    meta, c = load_meta(data), net.config
+    c = net.config
     if meta["mask_id"] != c.mask_token_id or meta["vocab_size"] > c.vocab_size:
         raise DataError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab {meta['vocab_size']}, but {model} "
                         f"has mask id {c.mask_token_id} and vocab {c.vocab_size}")

@@ -53,6 +53,7 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("mlm {model} --data={root} --batch_size=0", "--batch_size must be >= 1, got 0"),
     ("mlm {model} --data={root} --seq_len=0", "--seq_len must be >= 1, got 0"),
     ("mlm {missing} --data={root}", "no-such-run: not a model directory"),
+    ("mlm {model} --data={root}", "meta.json: not found"),
     ("table {root}/results.json", "results.json: expected a JSON object"),
     ("table {root}/texts.jsonl", "texts.jsonl: not a readable JSON file"),
     ("table {root}/results.json {root}/results.json {root}/results.json --paired", "--paired compares two"),
