@@ -708,7 +708,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     if len(set(names)) < len(names):
         raise DataError(f"task folders must have distinct names, got {names}")
     base, tok = load_model(model, device, tokenizer)
-    s = Settings(epochs, lr, batch_size, pooling, tok.pad_id, device)
+    settings = Settings(epochs, lr, batch_size, pooling, tok.pad_id, device)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len, train_subset=train_subset,
                 eval_subset=eval_subset, batch_size=batch_size, pooling=pooling, tokenizer=tok.spec)
     results = {"model": str(model), "args": args, "tasks": {}}
@@ -716,21 +716,20 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     seed_dir.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         kind = task["kind"]
-        examples = {s: subset(task[s], train_subset if s == "train" else eval_subset) for s in SPLITS}
-        data = {s: (examples[s], kind.encode(task["scored"], examples[s], tok, max_len)) for s in SPLITS}
-        print(kind.truncation(data["train"][0] + data["dev"][0] + data["test"][0],
-                              data["train"][1] + data["dev"][1] + data["test"][1], max_len))
+        examples = {split: subset(task[split], train_subset if split == "train" else eval_subset) for split in SPLITS}
+        data = {split: (examples[split], kind.encode(task["scored"], examples[split], tok, max_len)) for split in SPLITS}
         n_epochs = epochs or kind.epochs
         print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
-              f"{'/'.join(str(len(examples[s])) for s in SPLITS)} examples, {n_epochs} epochs")
+              f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples, {n_epochs} epochs")
+        print("  train, dev and test: " + kind.truncation([ex for split in SPLITS for ex in data[split][0]],
+                                                          [e for split in SPLITS for e in data[split][1]], max_len))
         setting = {**args, "seeds": None, "task": task["files"]}  # what a seed file must match to be reused
-        runs = {str(seed): seed_result(base, task, data, seed, s, seed_dir / f"{task['name']}-seed{seed}.json", setting)
+        runs = {str(seed): seed_result(base, task, data, seed, settings, seed_dir / f"{task['name']}-seed{seed}.json", setting)
                 for seed in seeds}
         test = examples["test"]
         baseline = kind.score([ex["label"] for ex in test], kind.majority(task["train"], test, task["labels"]),
                               task["scored"])
         summary = results["tasks"][task["name"]] = summarize(task, runs, baseline, n_epochs)
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_json(str(out), results)
         shown = ", ".join(f"{m} {100 * summary['mean'][m]:.2f} ± {100 * summary['std'][m]:.2f}" for m in summary["mean"])
         print(f"{task['name']}: test {shown} over {len(seeds)} seeds; majority baseline {kind.primary} "
