@@ -93,10 +93,10 @@ RECIPES = {
                  lr=2e-3, warmup_tokens=100_000, eval_interval=50, eval_sequences=16, save_interval=50,
                  log_interval=10, compile=False),
     "smoke": dict(preset="tiny", seq_len=128, batch_size=8, micro_batch_size=0, tokens=100_000, lr=2e-3,
-                  warmup_tokens=10_000, eval_interval=10**9, eval_sequences=8, save_interval=25, log_interval=10,
+                  warmup_tokens=10_000, eval_interval=5, eval_sequences=8, save_interval=25, log_interval=10,
                   compile=False),
     "cpu": dict(preset="mini", seq_len=256, batch_size=32, micro_batch_size=0, tokens=2_000_000, lr=1e-3,
-                warmup_tokens=200_000, eval_interval=100, eval_sequences=16, save_interval=50, log_interval=25,
+                warmup_tokens=200_000, eval_interval=25, eval_sequences=16, save_interval=50, log_interval=25,
                 compile=False),
 }
 # Phases (SPEC §3): the objective and the schedule. The decay's budget, 0, means 10% of the Phase-1 run's.
@@ -817,7 +817,8 @@ def main(argv=None):
                 print(f"saved {out_dir} at step {step}")
         if master and (step % cfg.eval_interval == 0 or step == total_steps):  # after the save: a crash here loses nothing
             record.update(evaluate(model, cfg, meta, device, autocast))
-            append_log(log_file, dict(phase=cfg.phase, step=step, val_mlm=record["val_mlm"], val_clm=record["val_clm"]))
+            append_log(log_file, dict(phase=cfg.phase, step=step, tokens=phase_tokens, val_mlm=record["val_mlm"],
+                                      val_clm=record["val_clm"]))
             print_step = True
         if print_step:
             val = f" | val mlm {record['val_mlm']:.4f} clm {record['val_clm']:.4f}" if "val_mlm" in record else ""
