@@ -629,7 +629,7 @@ def optimizer_for(model, lr):
 def train_seed(base, task, data, seed, s):
     """Fine-tune a copy of base on data["train"] = (examples, encoded); the epoch with the best dev primary metric
     is evaluated on test. Returns {"dev", "best_epoch", "test", "seconds"} and the test predictions."""
-    kind, epochs = task["kind"], s.epochs or task["kind"].epochs
+    kind, epochs = task["kind"], task["kind"].epochs if s.epochs is None else s.epochs  # 0 is refused by check()
     torch.manual_seed(seed)  # the classifier init and dropout
     model = Classifier(copy.deepcopy(base), len(task["labels"]), kind.per_token, s.pooling).to(s.device)
     optimizer = optimizer_for(model, s.lr)
@@ -718,7 +718,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
         kind = task["kind"]
         examples = {split: subset(task[split], train_subset if split == "train" else eval_subset) for split in SPLITS}
         data = {split: (examples[split], kind.encode(task["scored"], examples[split], tok, max_len)) for split in SPLITS}
-        n_epochs = epochs or kind.epochs
+        n_epochs = kind.epochs if epochs is None else epochs
         print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
               f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples, {n_epochs} epochs")
         print("  train, dev and test: " + kind.truncation([ex for split in SPLITS for ex in data[split][0]],
@@ -935,7 +935,8 @@ def main(argv=None):
     args = vars(parser.parse_args(argv))
     command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm}[args.pop("command")]
     if command is not table:
-        torch.set_num_threads(args.pop("threads") or default_threads())
+        threads = args.pop("threads")
+        torch.set_num_threads(default_threads() if threads is None else threads)
         print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
     try:
         command(**args)
