@@ -31,9 +31,9 @@ SCALES = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
                   controls=3, cka_n=32, cka_seeds="42,43,44", cka_max_len=128, ft_seeds="42,43,44,45,46", ft_epochs=1,
                   ft_train=32, ft_eval=16, ft_max_len=64),
-    "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=3_000_000, arm_tokens=1_000_000,
-                controls=3, cka_n=300, cka_seeds="42,43,44", cka_max_len=256, ft_seeds="42,43,44,45,46", ft_epochs=3,
-                ft_train=1000, ft_eval=300, ft_max_len=256),
+    "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=1_000_000,
+                controls=3, cka_n=300, cka_seeds="42,43,44", cka_max_len=256, ft_seeds="42,43,44,45,46", ft_epochs=2,
+                ft_train=500, ft_eval=200, ft_max_len=192),
     "paper": dict(recipe="paper", tokenizer="answerdotai/ModernBERT-base", start="answerdotai/ModernBERT-base",
                   arm_tokens=10_000_000_000, controls=3, cka_n=500, cka_seeds="42,43,44", cka_max_len=512,
                   ft_seeds="42,43,44,45,46",
@@ -57,6 +57,7 @@ class Stage:
     command: list
     needs: list = field(default_factory=list)
     run_dir: str = ""  # a training stage's run directory: an interrupted one continues with --resume
+    threaded: bool = True  # takes --threads (train.py and eval.py do; data.py's commands need one core)
 
 
 def python(script, *args):
@@ -71,27 +72,28 @@ def trainer(nproc):
     return python("train.py")
 
 
-def plan(scale, out, corpus, start, threads, nproc):
+def plan(scale, out, corpus, start, nproc):
     """Every stage of the comparison, in an order that respects `needs`."""
     s = SCALES[scale]
     runs, data_dir = out / "runs", out / "data"
     stages, prep = [], []
     if start is None:  # no pretrained ModernBERT offline: our own start model learns general text first
         stages.append(Stage("data-general", python("data.py", "docstrings", "--out", out / "general.jsonl",
-                                                   "--max_bytes", s["general_bytes"])))
+                                                   "--max_bytes", s["general_bytes"]), threaded=False))
     tokenizer = s["tokenizer"]
     if isinstance(tokenizer, int):  # a small vocabulary, so that a small model is not mostly embedding
         stages.append(Stage("tokenizer", python("data.py", "tokenizer", "--input", out / "general.jsonl", *corpus,
                                                 "--vocab_size", tokenizer, "--out", out / "tokenizer.json"),
-                            ["data-general"]))
+                            ["data-general"], threaded=False))
         tokenizer, prep = out / "tokenizer.json", ["tokenizer"]
     stages.append(Stage("data-bio", python("data.py", "prepare", "--input", *corpus, "--tokenizer", tokenizer,
-                                           "--out", data_dir / "bio", "--val_fraction", 0.02), prep))
-    train = [*trainer(nproc), f"--recipe={s['recipe']}", f"--threads={threads}"]
+                                           "--out", data_dir / "bio", "--val_fraction", 0.02), prep, threaded=False))
+    train = [*trainer(nproc), f"--recipe={s['recipe']}"]
     if start is None:  # pretrain the start model on general text, with MLM
         stages.append(Stage("data-general-prepare", python("data.py", "prepare", "--input", out / "general.jsonl",
                                                            "--tokenizer", tokenizer, "--out", data_dir / "general",
-                                                           "--val_fraction", 0.02), ["data-general", *prep]))
+                                                           "--val_fraction", 0.02), ["data-general", *prep],
+                            threaded=False))
         stages.append(Stage("start", [*train, "--phase=mlm", f"--data={data_dir / 'general'}",
                                       f"--tokens={s['start_tokens']}", f"--out_dir={runs / 'start'}"],
                             ["data-general-prepare"], str(runs / "start")))
@@ -116,14 +118,13 @@ def plan(scale, out, corpus, start, threads, nproc):
         stages.append(Stage(f"cka-{when}", python(
             "eval.py", "cka", runs / pair[0], runs / pair[1], *(f"--control={runs / c}" for c in pair[2:]),
             f"--texts={heldout}", f"--n={s['cka_n']}", f"--seeds={s['cka_seeds']}", f"--max_len={s['cka_max_len']}",
-            "--names=MLM,CLM",
-            f"--threads={threads}", f"--out={out / f'cka-{when}.json'}"), pair))
+            "--names=MLM,CLM", f"--out={out / f'cka-{when}.json'}"), pair))
     subsets = [f"--{k}={s[f'ft_{k}']}" for k in ("epochs",) if s["ft_epochs"]] + \
         ([f"--train_subset={s['ft_train']}", f"--eval_subset={s['ft_eval']}"] if s["ft_train"] else [])
     for name in FINETUNED:
         stages.append(Stage(f"finetune-{name}", python(
             "eval.py", "finetune", runs / name, *(f"--task={SHARED / 'tasks' / t}" for t in TASKS),
-            f"--seeds={s['ft_seeds']}", f"--max_len={s['ft_max_len']}", *subsets, f"--threads={threads}",
+            f"--seeds={s['ft_seeds']}", f"--max_len={s['ft_max_len']}", *subsets,
             f"--out={out / 'finetune' / f'{name}.json'}"), [name]))
     return stages
 
@@ -137,8 +138,8 @@ def shown(command):
     return shlex.join(str(c).replace(str(HERE) + os.sep, "") for c in command).replace(sys.executable, "python", 1)
 
 
-def launch(stage, out):
-    command = stage.command
+def launch(stage, out, threads):
+    command = [*stage.command, f"--threads={threads}"] if stage.threaded else stage.command
     state = Path(stage.run_dir) / "state.json" if stage.run_dir else None
     if state and any(Path(stage.run_dir + suffix, "state.json").exists() for suffix in ("", ".tmp", ".old")):
         command = [*command[:command.index(str(HERE / "train.py")) + 1], "--resume", f"--out_dir={stage.run_dir}"]
@@ -150,7 +151,7 @@ def launch(stage, out):
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env), log
 
 
-def run(stages, out, jobs):
+def run(stages, out, jobs, cores):
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "stages").mkdir(exist_ok=True)
     done = {s.name for s in stages if (out / "stages" / f"{s.name}.json").exists()}
@@ -161,7 +162,10 @@ def run(stages, out, jobs):
     while len(done) < len(stages) and not failed:
         ready = [s for s in stages if s.name not in done and s.name not in running and all(n in done for n in s.needs)]
         for stage in ready[:max(0, jobs - len(running))]:
-            running[stage.name] = (stage, *launch(stage, out), time.time())
+            # e.g. the start model: nothing else can run beside it (data.py's short one-core stages aside)
+            alone = len(ready) == 1 and not any(r[0].threaded for r in running.values())
+            threads = cores if alone else max(1, cores // jobs)
+            running[stage.name] = (stage, *launch(stage, out, threads), time.time())
         time.sleep(0.05)
         for name, (stage, proc, log, t0) in list(running.items()):
             if proc.poll() is None:
@@ -342,7 +346,7 @@ def main(argv=None):
     nproc = args.gpus if args.gpus is not None else gpu_count() if args.scale == "paper" else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     start = args.start or SCALES[args.scale].get("start")
-    stages = plan(args.scale, out, args.corpus, start, max(1, cores // args.jobs), max(1, nproc))
+    stages = plan(args.scale, out, args.corpus, start, max(1, nproc))
     if args.dry_run:
         for s in stages:
             print(f"{s.name}: {shown(s.command)}")
@@ -350,7 +354,7 @@ def main(argv=None):
         return
     print(f"reproduce: scale {args.scale}, {len(stages)} stages, {args.jobs} at a time, into {out}")
     t0 = time.time()
-    run(stages, out, args.jobs)
+    run(stages, out, args.jobs, cores)
     report(out, args.scale, stages)
     print(f"all stages finished; this invocation took {time.time() - t0:.0f} s")
 
