@@ -100,7 +100,8 @@ def plan(scale, out, corpus, start, nproc):
         start, start_stage = runs / "start", ["start"]
     else:
         start_stage = []
-    arm = [*train, f"--init_from={start}", "--weights_only", f"--data={data_dir / 'bio'}", f"--tokens={s['arm_tokens']}"]
+    arm = [*train, f"--init_from={start}", "--weights_only", f"--data={data_dir / 'bio'}",
+           f"--tokens={s['arm_tokens']}"]
     arms = [(name, phase, flags) for name, phase, flags in ARMS]
     arms += [(f"mlm-seed{seed}", "mlm", [f"--seed={seed}"]) for seed in CONTROL_SEEDS[:s["controls"]]]
     for name, phase, flags in arms:
@@ -186,7 +187,8 @@ def run(stages, out, jobs, cores):
         proc.wait()
         log.close()
     if failed:
-        print(f"error: stage(s) {', '.join(failed)} failed; fix the cause and run the same command again", file=sys.stderr)
+        print(f"error: stage(s) {', '.join(failed)} failed; fix the cause and run the same command again",
+              file=sys.stderr)
         raise SystemExit(1)
 
 
@@ -293,7 +295,8 @@ def report(out, scale, stages):
 def markdown(rep):
     lines = [f"# The CLM detour against MLM, scale `{rep['scale']}`", ""]
     for when, rows in rep["cka"].items():
-        lines += [f"## Layer-wise CKA {when} the decay", "", "| layer | CLM vs MLM divergence | seed controls mean ± std "
+        lines += [f"## Layer-wise CKA {when} the decay", "",
+                  "| layer | CLM vs MLM divergence | seed controls mean ± std "
                   "| ratio | outside the band |", "|---|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['divergence']:.3e} | {r['control_mean']:.3e} ± {r['control_std']:.1e} | "
                   f"{r['ratio']:.2f} | {'yes' if r['outside_band'] else 'no'} |" for r in rows] + [""]
@@ -322,7 +325,8 @@ def markdown(rep):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--scale", choices=SCALES, required=True)
     parser.add_argument("--out", required=True, help="the experiment directory (runs, logs, report)")
     parser.add_argument("--jobs", type=int, default=1, help="stages run side by side (CPU: one per core)")
@@ -330,12 +334,13 @@ def main(argv=None):
     parser.add_argument("--corpus", nargs="+", default=[str(SHARED / "corpus" / "e3c_en_clinical_cases.jsonl")],
                         help="the domain corpus (.jsonl/.txt/.parquet)")
     parser.add_argument("--gpus", type=int, default=None, help="processes per training (default: the GPUs present)")
-    parser.add_argument("--dry_run", action="store_true", help="print every command and check the inputs; train nothing")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print every command and check the inputs; train nothing")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     problems = [f"--corpus {c}: not found" for c in args.corpus if not Path(c).is_file()]
-    problems += [f"{p}: not found (the held-out texts and tasks live in ../shared/data)" for p in
-                 [SHARED / "heldout" / "pubmedqa_abstracts.jsonl", *(SHARED / "tasks" / t for t in TASKS)] if not p.exists()]
+    needed = [SHARED / "heldout" / "pubmedqa_abstracts.jsonl", *(SHARED / "tasks" / t for t in TASKS)]
+    problems += [f"{p}: not found (held-out texts and tasks live in ../shared/data)" for p in needed if not p.exists()]
     if args.jobs < 1:
         problems.append(f"--jobs={args.jobs}: expected >= 1")
     if out.is_file():

@@ -191,7 +191,8 @@ def check_config(cfg, world):
         (cfg.batch_size > 0 and cfg.micro_batch_size >= 0,
          f"--batch_size={cfg.batch_size} must be positive and --micro_batch_size={cfg.micro_batch_size} >= 0"),
         (finite(cfg.lr) and cfg.lr > 0, f"--lr={cfg.lr}: expected a positive finite learning rate"),
-        (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"--beta1={cfg.beta1}, --beta2={cfg.beta2}: expected 0 <= beta < 1"),
+        (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
+         f"--beta1={cfg.beta1}, --beta2={cfg.beta2}: expected 0 <= beta < 1"),
         (finite(cfg.eps) and cfg.eps > 0, f"--eps={cfg.eps}: expected a positive finite number"),
         (finite(cfg.weight_decay) and cfg.weight_decay >= 0, f"--weight_decay={cfg.weight_decay}: expected >= 0"),
         (cfg.warmup_tokens >= 0, f"--warmup_tokens={cfg.warmup_tokens}: expected >= 0"),
@@ -204,7 +205,8 @@ def check_config(cfg, world):
         (cfg.save_interval >= 0 and cfg.max_steps >= 0, "--save_interval and --max_steps must be >= 0 (0: at the end)"),
         (cfg.threads >= 0 and cfg.ddp_timeout > 0, "--threads must be >= 0 (0: automatic), --ddp_timeout positive"),
         (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
-        (cfg.backend in ("auto", *BACKEND_NAMES), f"--backend={cfg.backend!r}: expected auto, {', '.join(BACKEND_NAMES)}"),
+        (cfg.backend in ("auto", *BACKEND_NAMES),
+         f"--backend={cfg.backend!r}: expected auto, {', '.join(BACKEND_NAMES)}"),
         (cfg.init_from == "scratch" or cfg.recipe != "demo" or is_run(cfg.init_from),
          f"--recipe=demo trains a tiny model from scratch; --init_from={cfg.init_from} needs --recipe=paper "
          f"(SPEC §3) or another recipe"),
@@ -244,8 +246,9 @@ class AdamW:
         named = [name for params, _ in self.groups for name, _ in params]
         assert len(named) == len(set(named)), "every parameter belongs to exactly one group"
         self.peak_lr, self.betas, self.eps = peak_lr, betas, eps
-        self.moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for params, _ in self.groups for name, p in params}
-        self.denoms = {name: torch.empty_like(m) for name, (m, _) in self.moments.items()}  # reused: no allocation per step
+        self.moments = {name: (torch.zeros_like(p), torch.zeros_like(p))
+                        for params, _ in self.groups for name, p in params}
+        self.denoms = {name: torch.empty_like(m) for name, (m, _) in self.moments.items()}  # reused every step
         self.steps = 0  # Adam's t, carried across phases
         self.frozen = set(frozen)
 
@@ -255,7 +258,8 @@ class AdamW:
         beta1, beta2 = self.betas
         bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
         for params, wd in self.groups:
-            live = [(p, *self.moments[n], self.denoms[n]) for n, p in params if n not in self.frozen and p.grad is not None]
+            live = [(p, *self.moments[n], self.denoms[n])
+                    for n, p in params if n not in self.frozen and p.grad is not None]
             if not live:
                 continue
             ps, ms, vs, denom = (list(t) for t in zip(*live))
@@ -272,7 +276,8 @@ class AdamW:
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bias1)
 
     def state_tensors(self):
-        return {f"{kind}.{name}": t for name, pair in self.moments.items() for kind, t in zip(("exp_avg", "exp_avg_sq"), pair)}
+        return {f"{kind}.{name}": t for name, pair in self.moments.items()
+                for kind, t in zip(("exp_avg", "exp_avg_sq"), pair)}
 
     def load_state_tensors(self, tensors, steps, source):
         want = set(self.state_tensors())
@@ -360,7 +365,8 @@ def lock_run_dir(out_dir):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        raise TrainError(f"--out_dir={out_dir}: another train.py is writing this run (it holds {out_dir}.lock)") from None
+        raise TrainError(f"--out_dir={out_dir}: another train.py is writing this run (it holds {out_dir}.lock)") \
+            from None
     return handle
 
 
@@ -380,13 +386,15 @@ def save_checkpoint(out_dir, model, optimizer, state, tokenizer):
     tmp, old = out_dir + ".tmp", out_dir + ".old"
     tensors = [*model.parameters(), *optimizer.state_tensors().values()]
     if not all(torch.isfinite(t).all() for t in tensors):  # never write a poisoned checkpoint over a good one
-        raise TrainError(f"non-finite weights or moments at step {state['phase_step']}; nothing saved, {out_dir} is kept")
+        raise TrainError(f"non-finite weights or moments at step {state['phase_step']}; nothing saved, "
+                         f"{out_dir} is kept")
     try:
         remove_run_dir(tmp)
         os.makedirs(tmp)
         open(os.path.join(tmp, MARKER), "w").close()
         model.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in optimizer.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
+        moments = {k: v.contiguous() for k, v in optimizer.state_tensors().items()}
+        save_file(moments, os.path.join(tmp, "optimizer.safetensors"))
         tokenizer.save_pretrained(tmp)
         if os.path.exists(os.path.join(out_dir, "log.jsonl")):
             shutil.copy(os.path.join(out_dir, "log.jsonl"), tmp)
@@ -399,7 +407,8 @@ def save_checkpoint(out_dir, model, optimizer, state, tokenizer):
     except OSError as e:
         with contextlib.suppress(OSError, TrainError):
             remove_run_dir(tmp)
-        raise TrainError(f"could not write the checkpoint {tmp} ({e.strerror or e}); {out_dir} is kept as it was") from None
+        raise TrainError(f"could not write the checkpoint {tmp} ({e.strerror or e}); {out_dir} is kept as it was") \
+            from None
     remove_run_dir(old)
     if os.path.exists(out_dir):
         os.rename(out_dir, old)
@@ -537,12 +546,14 @@ def recover_readonly(path):
 def check_fresh_out_dir(out_dir):
     """A new run never overwrites anything: OUT holds no checkpoint, and nothing but what a killed start left."""
     if is_run(out_dir):
-        raise TrainError(f"{out_dir} already holds a checkpoint; pass --resume to continue it, or choose another --out_dir")
+        raise TrainError(f"{out_dir} already holds a checkpoint; pass --resume to continue it, "
+                         f"or choose another --out_dir")
     for folder in (out_dir, out_dir + ".tmp", out_dir + ".old"):
         if os.path.isfile(folder):
             raise TrainError(f"--out_dir={out_dir}: {folder} is a file, not a directory")
         if os.path.isdir(folder) and os.listdir(folder) and not owned(folder):
-            raise TrainError(f"--out_dir={out_dir}: {folder} exists and was not written by train.py; choose another --out_dir")
+            raise TrainError(f"--out_dir={out_dir}: {folder} exists and was not written by train.py; "
+                             f"choose another --out_dir")
     os.makedirs(out_dir, exist_ok=True)
     if not os.access(out_dir, os.W_OK):
         raise TrainError(f"--out_dir={out_dir}: not writable")
@@ -586,7 +597,8 @@ def load_optimizer(optimizer, start_run, device):
 
 def check_data_fits_model(meta, config, cfg):
     """Data prepared with another tokenizer would train garbage: compare ids before any compute."""
-    ids = {"cls": config.cls_token_id, "sep": config.sep_token_id, "pad": config.pad_token_id, "mask": config.mask_token_id}
+    ids = {"cls": config.cls_token_id, "sep": config.sep_token_id, "pad": config.pad_token_id,
+           "mask": config.mask_token_id}
     wrong = [f"{k}: data {meta[k + '_id']} vs model {v}" for k, v in ids.items() if meta[k + "_id"] != v]
     if meta["vocab_size"] > config.vocab_size or wrong:
         raise TrainError(f"{os.path.join(cfg.data, 'meta.json')} does not match the model of --init_from="
@@ -684,7 +696,8 @@ def main(argv=None):
     else:
         source = resolve_source(init_from)
     if source is None:
-        config = ModernBERTConfig.from_preset(cfg.preset, vocab_size=-(-meta["vocab_size"] // 64) * 64,  # x64: fast matmuls
+        vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
+        config = ModernBERTConfig.from_preset(cfg.preset, vocab_size=vocab,
                                               pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
                                               sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"])
     else:
@@ -815,7 +828,8 @@ def main(argv=None):
             if master:
                 save_checkpoint(out_dir, model, optimizer, checkpoint_state, tokenizer)
                 print(f"saved {out_dir} at step {step}")
-        if master and (step % cfg.eval_interval == 0 or step == total_steps):  # after the save: a crash here loses nothing
+        # validation after the save: a crash here loses nothing
+        if master and (step % cfg.eval_interval == 0 or step == total_steps):
             record.update(evaluate(model, cfg, meta, device, autocast))
             append_log(log_file, dict(phase=cfg.phase, step=step, tokens=phase_tokens, val_mlm=record["val_mlm"],
                                       val_clm=record["val_clm"]))
