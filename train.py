@@ -171,7 +171,7 @@ def resolve_config(flags, saved=None, start_run=None):
     if cfg.phase == "decay" and cfg.tokens == 0:  # 10% of the Phase-1 budget (SPEC §3)
         if start_run is None:
             raise TrainError("--phase=decay needs --tokens, or --init_from a run directory of this trainer "
-                              "(its budget then defaults to 10% of that run's tokens)")
+                             "(its budget then defaults to 10% of that run's tokens)")
         cfg.tokens = start_run["phase_tokens"] // 10
     return cfg
 
@@ -216,14 +216,18 @@ def check_config(cfg, world):
             raise TrainError(message)
     micro = cfg.micro_batch_size or cfg.batch_size // world
     accum, rest = divmod(cfg.batch_size, max(micro, 1) * world)
+    if (rest or not accum) and not cfg.micro_batch_size:
+        counts = ", ".join(str(n) for n in range(1, cfg.batch_size + 1) if cfg.batch_size % n == 0)
+        raise TrainError(f"--batch_size={cfg.batch_size} does not split evenly over {world} processes; run on "
+                         f"{counts} processes, or pass a --batch_size divisible by {world}")
     if rest or not accum:
-        flag = "--micro_batch_size" if cfg.micro_batch_size else "--batch_size"
         raise TrainError(f"--batch_size={cfg.batch_size} cannot be split into micro-batches of {micro} on {world} "
-                          f"process(es); change {flag} so that batch_size = micro_batch_size x processes x k")
+                         f"process(es); change --micro_batch_size so that batch_size = micro_batch_size x "
+                         f"processes x k")
     cfg.micro_batch_size = micro
     if cfg.tokens < cfg.batch_size * cfg.seq_len and cfg.phase != "decay":
         raise TrainError(f"--tokens={cfg.tokens:,} is less than one optimizer step ({cfg.batch_size} x {cfg.seq_len} "
-                          f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
+                         f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
     return accum
 
 
@@ -283,7 +287,7 @@ class AdamW:
         want = set(self.state_tensors())
         if set(tensors) != want:
             raise TrainError(f"{source} does not match the model: missing {sorted(want - set(tensors))[:5]}, "
-                              f"unexpected {sorted(set(tensors) - want)[:5]}")
+                             f"unexpected {sorted(set(tensors) - want)[:5]}")
         for name, (m, v) in self.moments.items():
             m.copy_(tensors[f"exp_avg.{name}"])
             v.copy_(tensors[f"exp_avg_sq.{name}"])
@@ -538,7 +542,7 @@ def recover_readonly(path):
     found = [(s["step"], s["phase_step"], d) for d in (path, path + ".tmp", path + ".old") if (s := read_state(d))]
     if not found:
         raise TrainError(f"--init_from={path}: its state.json is incomplete or unreadable, and no complete "
-                          f"checkpoint is in {path}.tmp or {path}.old")
+                         f"checkpoint is in {path}.tmp or {path}.old")
     *_, best = max(found)
     return {**read_state(best), "dir": best}
 
@@ -565,7 +569,7 @@ def resolve_source(init_from):
     looks_like_path = init_from.startswith(("/", ".", "~")) or init_from.count("/") != 1
     if not os.path.isdir(init_from) and looks_like_path:
         raise TrainError(f"--init_from={init_from}: no such directory (expected scratch, a checkpoint directory, "
-                          f"or a hub id like answerdotai/ModernBERT-base)")
+                         f"or a hub id like answerdotai/ModernBERT-base)")
     try:
         return resolve_checkpoint(init_from)
     except (FileNotFoundError, RuntimeError) as e:
@@ -602,12 +606,12 @@ def check_data_fits_model(meta, config, cfg):
     wrong = [f"{k}: data {meta[k + '_id']} vs model {v}" for k, v in ids.items() if meta[k + "_id"] != v]
     if meta["vocab_size"] > config.vocab_size or wrong:
         raise TrainError(f"{os.path.join(cfg.data, 'meta.json')} does not match the model of --init_from="
-                          f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
-                          + (f"; special ids {', '.join(wrong)}" if wrong else "")
-                          + ". Prepare the data with the model's tokenizer.")
+                         f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
+                         + (f"; special ids {', '.join(wrong)}" if wrong else "")
+                         + ". Prepare the data with the model's tokenizer.")
     if cfg.seq_len > config.max_position_embeddings:
         raise TrainError(f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings "
-                          f"({config.max_position_embeddings})")
+                         f"({config.max_position_embeddings})")
 
 
 def configure(flags, start, master, world):
@@ -683,7 +687,7 @@ def main(argv=None):
     val_windows = meta["splits"]["val"]["tokens"] // cfg.seq_len
     if val_windows < cfg.eval_sequences:
         raise TrainError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
-                          f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
+                         f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
     tokens_per_step = cfg.batch_size * cfg.seq_len
     total_steps = max(1, cfg.tokens // tokens_per_step)
     epochs = total_steps * tokens_per_step / (loader.n_windows * cfg.seq_len)
@@ -802,8 +806,8 @@ def main(argv=None):
         loss_value, norm_value = (torch.stack([loss_sum / accum / world, grad_norm.float()])).tolist()  # one sync
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # checked before the weights change
             raise TrainError(f"non-finite loss {loss_value} or gradient norm {norm_value} at step {step + 1} (phase "
-                              f"{cfg.phase}); stopped before the update. The last checkpoint in {out_dir} is kept "
-                              f"as it was; lower --lr or check the data")
+                             f"{cfg.phase}); stopped before the update. The last checkpoint in {out_dir} is kept "
+                             f"as it was; lower --lr or check the data")
         optimizer.step(lr)
         for p in params:
             p.grad = None
