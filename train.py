@@ -684,7 +684,7 @@ def main(argv=None):
     data.check_tokenizer(meta, tokenizer)
     loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, cfg.micro_batch_size, rank, world,
                          cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed)
-    val_windows = meta["splits"]["val"]["tokens"] // cfg.seq_len
+    val_windows = data.count_windows(cfg.data, "val", cfg.seq_len)
     if val_windows < cfg.eval_sequences:
         raise TrainError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
                          f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
