@@ -58,6 +58,7 @@ class Stage:
     needs: list = field(default_factory=list)
     run_dir: str = ""  # a training stage's run directory: an interrupted one continues with --resume
     threaded: bool = True  # takes --threads (train.py and eval.py do; data.py's commands need one core)
+    solo: bool = False  # nothing can run beside it (the start model): it gets every core
 
 
 def python(script, *args):
@@ -96,7 +97,7 @@ def plan(scale, out, corpus, start, nproc):
                             threaded=False))
         stages.append(Stage("start", [*train, "--phase=mlm", f"--data={data_dir / 'general'}",
                                       f"--tokens={s['start_tokens']}", f"--out_dir={runs / 'start'}"],
-                            ["data-general-prepare"], str(runs / "start")))
+                            ["data-general-prepare"], str(runs / "start"), solo=True))
         start, start_stage = runs / "start", ["start"]
     else:
         start_stage = []
@@ -163,9 +164,8 @@ def run(stages, out, jobs, cores):
     while len(done) < len(stages) and not failed:
         ready = [s for s in stages if s.name not in done and s.name not in running and all(n in done for n in s.needs)]
         for stage in ready[:max(0, jobs - len(running))]:
-            # e.g. the start model: nothing else can run beside it (data.py's short one-core stages aside)
-            alone = len(ready) == 1 and not any(r[0].threaded for r in running.values())
-            threads = cores if alone else max(1, cores // jobs)
+            # fixed per stage, so that a rerun computes the same numbers (results depend on the thread count)
+            threads = cores if stage.solo else max(1, cores // jobs)
             running[stage.name] = (stage, *launch(stage, out, threads), time.time())
         time.sleep(0.05)
         for name, (stage, proc, log, t0) in list(running.items()):

@@ -94,3 +94,12 @@ def test_bad_input_is_one_line(tmp_path):
                              f"--corpus={tmp_path / 'none.jsonl'}"], capture_output=True, text=True)
     assert result.returncode != 0 and result.stderr.strip().startswith("error: --corpus")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_gives_the_same_report(smoke, tmp_path):
+    """The killed-and-resumed smoke run's numbers equal an uninterrupted run's (wall times aside)."""
+    out, _, _ = smoke
+    finished(reproduce("--scale=smoke", f"--out={tmp_path / 'straight'}", "--jobs=2"))
+    straight = json.loads((tmp_path / "straight" / "report.json").read_text())
+    assert without_times(straight) == without_times(json.loads((out / "report.json").read_text()))
