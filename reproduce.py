@@ -12,7 +12,6 @@ be run again after any interruption: it continues where it stopped.
 """
 import argparse
 import json
-import math
 import os
 import shlex
 import subprocess

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need
+from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 
 import eval as ev
 from data import DataError, load_tokenizer, prepare, val_batches
@@ -21,7 +21,7 @@ TASKS = SHARED_DATA / "tasks"
 
 def make_model(path, seed, tokenizer="bytes", **config):
     """A random tiny ModernBERT run directory whose state.json names its tokenizer, as our trainer writes it."""
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # config: the ids of `tokenizer` (ModernBERT's defaults unless given)
     ModernBERT(ModernBERTConfig.from_preset("tiny", **config)).save_pretrained(path)
     (path / "state.json").write_text(json.dumps({"tokenizer": str(tokenizer)}))
     return path
@@ -35,8 +35,7 @@ def byte_models(tmp_path_factory):
     from data import prepare_demo
     root = tmp_path_factory.mktemp("runs")
     prepare_demo(str(root / "demo"))
-    torch.manual_seed(0)  # a stand-in for the pretrained checkpoint: a Hugging Face directory
-    ModernBERT(ModernBERTConfig.from_preset("tiny", **BYTE_IDS)).save_pretrained(root / "start")
+    tiny_model(0).save_pretrained(root / "start")  # a stand-in for the pretrained checkpoint: a Hugging Face directory
     flags = [f"--data={root / 'demo'}", f"--init_from={root / 'start'}", "--seq_len=128", "--batch_size=4",
              "--micro_batch_size=4", "--tokens=2048", "--warmup_tokens=512", "--lr=3e-3", "--compile=false",
              "--eval_sequences=2", "--log_interval=1000", "--recipe=smoke"]
@@ -163,7 +162,7 @@ def test_cka_checks_its_input(byte_models, texts, tmp_path):
     with pytest.raises(DataError, match="different numbers of layers"):
         ev.cka(a, deeper, texts, n=5, out=tmp_path / "x.json", device="cpu")
     (tmp_path / "bare").mkdir()
-    ModernBERT(ModernBERTConfig.from_preset("tiny", **BYTE_IDS)).save_pretrained(tmp_path / "bare")
+    tiny_model().save_pretrained(tmp_path / "bare")
     with pytest.raises(DataError, match="bare: no tokenizer.json .* pass --tokenizer"):
         ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_model
 from model import IGNORE_INDEX, SDPA, ModernBERT, ModernBERTConfig, linear_cross_entropy
 
 transformers = pytest.importorskip("transformers")
@@ -138,10 +139,7 @@ def test_mismatched_checkpoint_names_the_keys(tmp_path):
 
 
 def tiny(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = ModernBERTConfig.from_preset("tiny", vocab_size=320, pad_token_id=258, cls_token_id=256,
-                                       sep_token_id=257, mask_token_id=259, **kw)
-    return ModernBERT(cfg).eval()
+    return tiny_model(seed, **kw).eval()
 
 
 def test_causal_outputs_do_not_see_the_future_in_any_layer():

@@ -157,11 +157,8 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     for _ in range(loader.accum):
         x, y = loader.next()
         (model(x, labels=y)[1] / loader.accum).backward()
-    groups = model.param_groups()
     peak, wd = 1e-3, 1e-5
-    opt = torch.optim.AdamW([{"params": [p for _, p in groups["decay"]], "weight_decay": wd / peak},
-                             {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0}],
-                            lr=peak, betas=(0.9, 0.98), eps=1e-6)
+    opt = torch_adamw_oracle(model, peak, wd)
     for name, p in model.named_parameters():
         opt.state[p] = {"step": torch.tensor(float(clm_state["step"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
                         "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
