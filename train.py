@@ -776,7 +776,7 @@ def main(argv=None):
     # ---- the loop ---------------------------------------------------------------------------------------
     params = list(model.parameters())
     stop = total_steps if not cfg.max_steps else min(total_steps, step + cfg.max_steps)
-    first_step, t_start = step, time.time()
+    first_step, t_start, code = step, time.time(), code_version()
     record = {}
     loader_state = loader.state_dict()  # the position a checkpoint records: before the prefetched batch
     x, y = next_batch(loader, device)
@@ -827,7 +827,7 @@ def main(argv=None):
             checkpoint_state = dict(
                 phase=cfg.phase, step=optimizer.steps, phase_step=step, phase_tokens=phase_tokens,
                 total_tokens=sum(h["tokens"] for h in history) + phase_tokens, loader=loader_state,
-                rng=all_gather(rng_state(device), world), config=dataclasses.asdict(cfg), code=code_version(),
+                rng=all_gather(rng_state(device), world), config=dataclasses.asdict(cfg), code=code,
                 tokenizer=meta["tokenizer"], history=history)
             if master:
                 save_checkpoint(out_dir, model, optimizer, checkpoint_state, tokenizer)
