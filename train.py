@@ -846,6 +846,7 @@ def main(argv=None):
                    f"eta {duration(eta)}")
 
     # ---- summary ------------------------------------------------------------------------------------
+    all_gather(None, world)  # a barrier, every rank: nobody tears the process group down while rank 0 saves
     elapsed = time.time() - t_start
     print0("-" * 100)
     if step < total_steps:
