@@ -29,14 +29,14 @@ SHARED = HERE.parent / "shared" / "data"  # where the real data lives beside a c
 SCALES = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
                   controls=3, cka_n=32, cka_seeds="42,43,44", cka_max_len=128, ft_seeds="42,43,44,45,46", ft_epochs=1,
-                  ft_train=32, ft_eval=16, ft_max_len=64),
+                  ft_train=32, ft_eval=16, ft_max_len=64, ft_lr=1e-3),
     "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=1_000_000,
                 controls=3, cka_n=300, cka_seeds="42,43,44", cka_max_len=256, ft_seeds="42,43,44,45,46", ft_epochs=2,
-                ft_train=500, ft_eval=200, ft_max_len=192),
+                ft_train=500, ft_eval=200, ft_max_len=128, ft_lr=5e-4),  # a small model fine-tunes at a larger lr
     "paper": dict(recipe="paper", tokenizer="answerdotai/ModernBERT-base", start="answerdotai/ModernBERT-base",
                   arm_tokens=10_000_000_000, controls=3, cka_n=500, cka_seeds="42,43,44", cka_max_len=512,
                   ft_seeds="42,43,44,45,46",
-                  ft_epochs=None, ft_train=None, ft_eval=None, ft_max_len=512),
+                  ft_epochs=None, ft_train=None, ft_eval=None, ft_max_len=512, ft_lr=5e-5),
 }
 CONTROL_SEEDS = (18, 19, 20, 21, 22)  # the twins train with seed 17 (SPEC §3); a control differs only in its seed
 TASKS = ("ncbi_disease", "chemprot", "pubmedqa")
@@ -125,7 +125,7 @@ def plan(scale, out, corpus, start, nproc):
     for name in FINETUNED:
         stages.append(Stage(f"finetune-{name}", python(
             "eval.py", "finetune", runs / name, *(f"--task={SHARED / 'tasks' / t}" for t in TASKS),
-            f"--seeds={s['ft_seeds']}", f"--max_len={s['ft_max_len']}", *subsets,
+            f"--seeds={s['ft_seeds']}", f"--max_len={s['ft_max_len']}", f"--lr={s['ft_lr']}", *subsets,
             f"--out={out / 'finetune' / f'{name}.json'}"), [name]))
     return stages
 
