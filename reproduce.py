@@ -1,7 +1,7 @@
 """The paper's whole comparison in one command: data, a start model, the CLM detour and its MLM twin with
 seed controls, the decays, the freeze interventions, layer-wise CKA, fine-tuning, and a report.
 
-    python reproduce.py --scale=smoke --out=out/smoke             # ~1 minute on 2 CPU cores: the pipeline works
+    python reproduce.py --scale=smoke --out=out/smoke --jobs=2    # 75 s on 2 idle CPU cores: the pipeline works
     python reproduce.py --scale=cpu --out=out/cpu --jobs=2        # the largest experiment for ~90 min of 2 CPU cores
     python reproduce.py --scale=paper --out=out/paper --dry_run   # SPEC §3 on the GPUs present: print, check, stop
 
