@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import gc
 import hashlib
 import json
 import math
@@ -880,6 +881,7 @@ def cli(argv=None):
         os._exit(2)  # the process group cannot be torn down cleanly while a peer is stuck
     finally:
         if dist.is_initialized():
+            gc.collect()  # DDP's reducer goes before its process group: gloo aborts if it outlives it
             dist.destroy_process_group()
 
 

@@ -75,7 +75,10 @@ def test_bad_input_from_the_shell_has_no_traceback(inputs):
     run = subprocess.run([sys.executable, str(ROOT / "eval.py"), "finetune", inputs["model"], f"--task={inputs['task']}",
                           "--epochs=0"], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr == "error: --epochs must be >= 1, got 0\n"
-    assert run.stdout == f"threads: {min(torch.get_num_threads(), len(os.sched_getaffinity(0)))} intra-op (--threads to change)\n"
+    fresh = subprocess.run([sys.executable, "-c", "import os, torch; "  # torch's default in a new process
+                            "print(min(torch.get_num_threads(), len(os.sched_getaffinity(0))))"],
+                           capture_output=True, text=True).stdout.strip()
+    assert run.stdout == f"threads: {fresh} intra-op (--threads to change)\n"
 
 
 def test_threads(monkeypatch, capsys):
