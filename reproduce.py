@@ -140,13 +140,13 @@ def shown(command):
 
 
 def launch(stage, out, threads):
-    command = [*stage.command, f"--threads={threads}"] if stage.threaded else stage.command
-    state = Path(stage.run_dir) / "state.json" if stage.run_dir else None
-    if state and any(Path(stage.run_dir + suffix, "state.json").exists() for suffix in ("", ".tmp", ".old")):
-        command = [*command[:command.index(str(HERE / "train.py")) + 1], "--resume", f"--out_dir={stage.run_dir}"]
-        print(f"[resume] {stage.name}: {shown(command)}", flush=True)
-    else:
-        print(f"[run]    {stage.name}: {shown(command)}", flush=True)
+    command, verb = stage.command, "run"
+    if stage.run_dir and any(Path(stage.run_dir + suffix, "state.json").exists() for suffix in ("", ".tmp", ".old")):
+        trainer_end = command.index(str(HERE / "train.py")) + 1  # an interrupted training continues exactly
+        command, verb = [*command[:trainer_end], "--resume", f"--out_dir={stage.run_dir}"], "resume"
+    if stage.threaded:
+        command = [*command, f"--threads={threads}"]
+    print(f"[{verb}]{' ' * (7 - len(verb))}{stage.name}: {shown(command)}", flush=True)
     log = open(out / "logs" / f"{stage.name}.log", "a")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env), log

@@ -2,7 +2,6 @@
 file, before any model is loaded; and the task-file quirks real datasets have (BOM, trailing spaces, integer
 labels, a label only in test, words cut by --max_len)."""
 import json
-import os
 import subprocess
 import sys
 
