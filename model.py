@@ -14,11 +14,14 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from machinery.cli import InputError
+from machinery.hf import check_config, config_to_hf, read_config, read_weights, resolve_checkpoint, write_checkpoint
 
 try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained with
     from flash_attn import flash_attn_varlen_func
@@ -45,13 +48,6 @@ PRESETS = {
     "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
 }
 
-# Bounds that reject a crafted or corrupt config.json before any allocation (ModernBERT-large is far inside).
-LIMITS = dict(vocab_size=2 ** 22, hidden_size=2 ** 15, intermediate_size=2 ** 17, num_hidden_layers=512,
-              num_attention_heads=1024, global_attn_every_n_layers=512, local_attention=2 ** 20,
-              max_position_embeddings=2 ** 20)
-MAX_PARAMS = 20e9  # 80 GB of fp32 weights
-
-
 @dataclass
 class ModernBERTConfig:
     vocab_size: int = 50368
@@ -75,43 +71,12 @@ class ModernBERTConfig:
     layer_types: tuple = None  # derived from global_attn_every_n_layers unless a checkpoint lists them
 
     def __post_init__(self):
-        self.check()
+        check_config(self)  # InputError naming the field, before anything is allocated
         if self.layer_types is None:
             n = self.global_attn_every_n_layers
             self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
                                 for i in range(self.num_hidden_layers)]
         self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_hidden_layers is "
-                             f"{self.num_hidden_layers}")
-        if not set(self.layer_types) <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"layer_types={self.layer_types}: expected full_attention or sliding_attention")
-
-    def check(self):
-        """ValueError naming the first field out of range: sizes before anything is allocated."""
-        def require(ok, name, expected):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected {expected}")
-        for name, top in LIMITS.items():
-            v = getattr(self, name)
-            require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top, name, f"an integer in [1, {top}]")
-        for name in ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "a non-negative id")
-        # only the padding id indexes the embedding; HF config.json files carry no mask_token_id (ours defaults)
-        require(self.pad_token_id < self.vocab_size, "pad_token_id", f"an id below vocab_size={self.vocab_size}")
-        for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
-                     "initializer_cutoff_factor"):
-            v = getattr(self, name)
-            require(isinstance(v, (int, float)) and 0 < v < math.inf, name, "a positive finite number")
-        require(isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1,
-                "attention_dropout", "a probability in [0, 1)")
-        d, h = self.hidden_size, self.num_attention_heads
-        require(d % h == 0 and (d // h) % 2 == 0, "hidden_size",
-                f"a multiple of num_attention_heads={h} with an even head dim (rotary halves)")
-        params = self.vocab_size * d + self.num_hidden_layers * (4 * d * d + 3 * d * self.intermediate_size)
-        if params > MAX_PARAMS:
-            raise ValueError(f"vocab_size, hidden_size, intermediate_size and num_hidden_layers give {params:.2e} "
-                             f"parameters: expected at most {MAX_PARAMS:.0e}")
 
     @property
     def window(self):  # reach on each side of a local layer: 64 for ModernBERT
@@ -120,54 +85,21 @@ class ModernBERTConfig:
     @classmethod
     def from_preset(cls, name, **overrides):
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+            raise InputError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
     def replace(self, **overrides):
         """A copy with some fields changed (e.g. attention_dropout for training), checked like any config."""
         unknown = sorted(set(overrides) - {f.name for f in fields(self)})
         if unknown:
-            raise ValueError(f"unknown config fields {unknown}")
+            raise InputError(f"unknown config fields {unknown}")
         if {"num_hidden_layers", "global_attn_every_n_layers"} & set(overrides):
             overrides.setdefault("layer_types", None)  # derived again from the new depth
         return dataclasses.replace(self, **overrides)
 
-    # --- Hugging Face config.json, in both key spellings (transformers 4.x and 5.x) ---
     def to_hf(self):
-        d = {k: v for k, v in asdict(self).items()}
-        d["layer_types"] = list(self.layer_types)
-        d.update(
-            model_type="modernbert", architectures=["ModernBertForMaskedLM"], hidden_activation="gelu",
-            classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False,
-            decoder_bias=True, tie_word_embeddings=True, bos_token_id=self.cls_token_id,
-            eos_token_id=self.sep_token_id, rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
-                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}})
-        return d
-
-    @classmethod
-    def from_hf(cls, d, source="config.json"):
-        """From a parsed config.json; every problem is a ValueError that names `source` and the field."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        if d.get("model_type") != "modernbert":
-            raise ValueError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
-        fixed = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False,
-                     attention_bias=False, mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
-        for key, want in fixed.items():
-            if key in d and d[key] != want:
-                raise ValueError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        rope = d.get("rope_parameters") or {}
-        for kind, key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-            if isinstance(rope, dict) and isinstance(rope.get(kind), dict):
-                if rope[kind].get("rope_type", "default") != "default":
-                    raise ValueError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
-                kw[key] = rope[kind].get("rope_theta")
-        try:
-            return cls(**kw)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{source}: {e}") from None
+        """config.json's contents, as transformers writes them."""
+        return config_to_hf(self)
 
 
 # -----------------------------------------------------------------------------
@@ -371,47 +303,11 @@ class ModernBERT(nn.Module):
         return model
 
     def load_weights(self, weights_file):
-        from safetensors.torch import load_file
-        if not os.path.exists(weights_file):
-            raise FileNotFoundError(f"{weights_file}: no such file (a checkpoint needs model.safetensors)")
-        try:
-            state = load_file(weights_file)
-        except Exception as e:  # safetensors raises its own error type on truncated or garbage files
-            raise ValueError(f"{weights_file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-        emb = state.get("model.embeddings.tok_embeddings.weight")
-        if "decoder.weight" in state and emb is not None and not torch.equal(state["decoder.weight"], emb):
-            raise ValueError(f"{weights_file}: decoder.weight differs from the embeddings; only tied decoders are supported")
-        if emb is not None:
-            state["decoder.weight"] = emb  # published files usually omit the tied copy
-        ours = self.state_dict()
-        missing = sorted(set(ours) - set(state))
-        unexpected = sorted(set(state) - set(ours))
-        wrong = sorted(k for k in set(ours) & set(state) if state[k].shape != ours[k].shape)
-        if missing or unexpected or wrong:
-            detail = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else "",
-                      "shape mismatches " + ", ".join(f"{k}: file {tuple(state[k].shape)} vs model {tuple(ours[k].shape)}"
-                                                      for k in wrong) if wrong else ""]
-            raise ValueError(f"{weights_file} does not match the config: " + "; ".join(s for s in detail if s))
-        self.load_state_dict({k: v.float() for k, v in state.items()})
+        self.load_state_dict(read_weights(weights_file, self.state_dict()))
 
     def save_pretrained(self, path):
         """Writes config.json and model.safetensors that transformers.AutoModelForMaskedLM loads as is."""
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "decoder.weight"}
-        save_file(state, os.path.join(path, "model.safetensors.tmp"), metadata={"format": "pt"})
-        os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
-        write_json(os.path.join(path, "config.json"), self.config.to_hf())
-
-
-def read_config(config_file):
-    """A checkpoint's config.json as a ModernBERTConfig; ValueError naming the file if it is not one."""
-    try:
-        with open(config_file) as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    return ModernBERTConfig.from_hf(d, config_file)
+        write_checkpoint(path, self.state_dict(), self.config)
 
 
 def write_json(path, obj):
@@ -420,22 +316,6 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(path + ".tmp", path)
-
-
-def resolve_checkpoint(path_or_id):
-    """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
-    if os.path.isdir(path_or_id):
-        return path_or_id
-    if os.path.exists(path_or_id) or path_or_id.count("/") != 1:
-        raise FileNotFoundError(f"{path_or_id}: not a checkpoint directory, and not a hub id like "
-                                f"'answerdotai/ModernBERT-base'")
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
-    except Exception as e:
-        reason = (str(e).splitlines() or [""])[0][:200]
-        raise RuntimeError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {reason}); "
-                           f"download it where the network allows and pass the local directory") from e
 
 
 # -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
+from machinery.cli import InputError
 from model import IGNORE_INDEX, SDPA, ModernBERT, ModernBERTConfig, linear_cross_entropy
 
 transformers = pytest.importorskip("transformers")
@@ -128,13 +129,13 @@ def test_mismatched_checkpoint_names_the_keys(tmp_path):
     state["model.layers.1.mlp.Wi.weight"] = state["model.layers.1.mlp.Wi.weight"][:10]
     del state["model.final_norm.weight"]
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.final_norm\.weight.*model\.layers\.1\.mlp\.Wi\.weight"):
+    with pytest.raises(InputError, match=r"model\.final_norm\.weight.*model\.layers\.1\.mlp\.Wi\.weight"):
         ModernBERT.from_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(InputError, match="model_type"):
         ModernBERT.from_pretrained(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+    with pytest.raises(InputError, match="not a checkpoint directory"):
         ModernBERT.from_pretrained(str(tmp_path / "nowhere" / "deeper"))
 
 
@@ -248,7 +249,7 @@ def test_absurd_config_is_rejected_before_allocation(tmp_path, change, field):
     hf_checkpoint(tmp_path, SHAPES[0])
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(ValueError, match=f"config.json.*{field}"):
+    with pytest.raises(InputError, match=f"config.json.*{field}"):
         ModernBERT.from_pretrained(str(tmp_path))
 
 
@@ -257,13 +258,13 @@ def test_corrupt_files_name_the_file(tmp_path):
     weights = (tmp_path / "model.safetensors").read_bytes()
     for broken in (weights[: len(weights) // 2], b"garbage" * 10, b""):
         (tmp_path / "model.safetensors").write_bytes(broken)
-        with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        with pytest.raises(InputError, match="model.safetensors: not a readable safetensors file"):
             ModernBERT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "modernbert", ')
-    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+    with pytest.raises(InputError, match="config.json: not valid JSON"):
         ModernBERT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="config.json: expected a JSON object"):
+    with pytest.raises(InputError, match="config.json: expected a JSON object"):
         ModernBERT.from_pretrained(str(tmp_path))
 
 
@@ -271,9 +272,9 @@ def test_from_pretrained_overrides_set_config_fields(tmp_path):
     hf_checkpoint(tmp_path, SHAPES[0])
     model = ModernBERT.from_pretrained(str(tmp_path), "sdpa", attention_dropout=0.1)
     assert model.config.attention_dropout == 0.1 and model.model.layers[1].attn.dropout == 0.1
-    with pytest.raises(ValueError, match="unknown config fields.*dropout"):
+    with pytest.raises(InputError, match="unknown config fields.*dropout"):
         ModernBERT.from_pretrained(str(tmp_path), dropout=0.1)
-    with pytest.raises(ValueError, match="attention_dropout"):
+    with pytest.raises(InputError, match="attention_dropout"):
         ModernBERT.from_pretrained(str(tmp_path), attention_dropout=1.5)
 
 
@@ -372,7 +373,7 @@ def test_backends_agree_in_bf16_on_gpu():
 
 def test_hub_id_without_network_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here; where there is one, offline mode says the same
-    with pytest.raises(RuntimeError, match="could not fetch 'answerdotai/ModernBERT-base'.*local directory"):
+    with pytest.raises(InputError, match="could not fetch 'answerdotai/ModernBERT-base'.*local directory"):
         ModernBERT.from_pretrained("answerdotai/ModernBERT-base")
 
 

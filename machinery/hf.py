@@ -1,0 +1,167 @@
+"""Hugging Face formats: config.json read, checked and written; model.safetensors read and written; hub ids
+fetched. Every problem with a file is an InputError naming the file and the field. A reader of the recipe may
+skip this file."""
+import dataclasses
+import math
+import os
+
+from machinery.cli import InputError, read_json, write_json
+
+# Bounds that reject a crafted or corrupt config.json before any allocation (ModernBERT-large is far inside).
+LIMITS = dict(vocab_size=2 ** 22, hidden_size=2 ** 15, intermediate_size=2 ** 17, num_hidden_layers=512,
+              num_attention_heads=1024, global_attn_every_n_layers=512, local_attention=2 ** 20,
+              max_position_embeddings=2 ** 20)
+MAX_PARAMS = 20e9  # 80 GB of fp32 weights
+# What model.py implements: a config.json that says otherwise describes another model.
+FIXED = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False, attention_bias=False,
+             mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
+# transformers 5.x keeps the rotary bases per layer type; 4.x (and our config) as two fields.
+ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
+
+
+def check_config(c):
+    """InputError naming the first field of config `c` out of range: sizes are checked before anything is
+    allocated. layer_types is checked when given (None: model.py derives it)."""
+    def require(ok, name, expected):
+        if not ok:
+            raise InputError(f"{name}={getattr(c, name)!r}: expected {expected}")
+    for name, top in LIMITS.items():
+        v = getattr(c, name)
+        require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top, name, f"an integer in [1, {top}]")
+    for name in ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
+        require(isinstance(getattr(c, name), int) and getattr(c, name) >= 0, name, "a non-negative id")
+    # only the padding id indexes the embedding; HF config.json files carry no mask_token_id (ours defaults)
+    require(c.pad_token_id < c.vocab_size, "pad_token_id", f"an id below vocab_size={c.vocab_size}")
+    for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
+                 "initializer_cutoff_factor"):
+        v = getattr(c, name)
+        require(isinstance(v, (int, float)) and 0 < v < math.inf, name, "a positive finite number")
+    require(isinstance(c.attention_dropout, (int, float)) and 0 <= c.attention_dropout < 1,
+            "attention_dropout", "a probability in [0, 1)")
+    d, h = c.hidden_size, c.num_attention_heads
+    require(d % h == 0 and (d // h) % 2 == 0, "hidden_size",
+            f"a multiple of num_attention_heads={h} with an even head dim (rotary halves)")
+    params = c.vocab_size * d + c.num_hidden_layers * (4 * d * d + 3 * d * c.intermediate_size)
+    if params > MAX_PARAMS:
+        raise InputError(f"vocab_size, hidden_size, intermediate_size and num_hidden_layers give {params:.2e} "
+                         f"parameters: expected at most {MAX_PARAMS:.0e}")
+    if c.layer_types is not None:
+        require(isinstance(c.layer_types, (list, tuple)) and len(c.layer_types) == c.num_hidden_layers,
+                "layer_types", f"a list of num_hidden_layers={c.num_hidden_layers} entries")
+        require(all(t in ROPE_FIELDS for t in c.layer_types), "layer_types",
+                f"entries among {', '.join(ROPE_FIELDS)}")
+
+
+# -----------------------------------------------------------------------------
+# config.json
+
+
+def read_config(config_file):
+    """A checkpoint's config.json as a ModernBERTConfig; InputError naming the file and the field if it is
+    not one we can run."""
+    from model import ModernBERTConfig  # model.py imports this file: take the class when called
+    names = [f.name for f in dataclasses.fields(ModernBERTConfig)]
+    fields = config_fields(read_json(config_file, "a ModernBERT config.json"), config_file, names)
+    try:
+        return ModernBERTConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{config_file}: {e}") from None
+
+
+def config_fields(d, source, names):
+    """The values of `names` in a parsed config.json, from either key spelling (transformers 4.x or 5.x)."""
+    if not isinstance(d, dict):
+        raise InputError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    if d.get("model_type") != "modernbert":
+        raise InputError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
+    for key, want in FIXED.items():
+        if key in d and d[key] != want:
+            raise InputError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
+    fields = {name: d[name] for name in names if d.get(name) is not None}
+    rope = d.get("rope_parameters") or {}
+    for kind, name in ROPE_FIELDS.items():
+        if isinstance(rope, dict) and isinstance(rope.get(kind), dict):
+            if rope[kind].get("rope_type", "default") != "default":
+                raise InputError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
+            fields[name] = rope[kind].get("rope_theta")
+    return fields
+
+
+def config_to_hf(c):
+    """config.json's contents in both key spellings, keys sorted as transformers writes them."""
+    rope = {kind: {"rope_theta": getattr(c, name), "rope_type": "default"} for kind, name in ROPE_FIELDS.items()}
+    d = dict(dataclasses.asdict(c), **FIXED, layer_types=list(c.layer_types), model_type="modernbert",
+             architectures=["ModernBertForMaskedLM"], bos_token_id=c.cls_token_id, eos_token_id=c.sep_token_id,
+             rope_parameters=rope)
+    return dict(sorted(d.items()))
+
+
+# -----------------------------------------------------------------------------
+# model.safetensors and the checkpoint directory
+
+
+def read_weights(weights_file, expected):
+    """The tensors of a model.safetensors in fp32, checked against `expected` (the model's state dict): an
+    InputError names the file and every missing, unexpected or mis-shaped key. Published files usually omit
+    the tied decoder weight, which is the embedding."""
+    from safetensors.torch import load_file
+    if not os.path.exists(weights_file):
+        raise InputError(f"{weights_file}: no such file (a checkpoint needs model.safetensors)")
+    try:
+        state = load_file(weights_file)
+    except Exception as e:  # safetensors raises its own error type on truncated or garbage files
+        raise InputError(f"{weights_file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    emb = state.get("model.embeddings.tok_embeddings.weight")
+    if "decoder.weight" in state and emb is not None and not state["decoder.weight"].equal(emb):
+        raise InputError(f"{weights_file}: decoder.weight differs from the embeddings; only tied decoders "
+                         f"are supported")
+    if emb is not None:
+        state["decoder.weight"] = emb
+    problems = mismatches(state, expected)
+    if problems:
+        raise InputError(f"{weights_file} does not match the config: {problems}")
+    return {k: v.float() for k, v in state.items()}
+
+
+def mismatches(state, expected):
+    """The keys missing from `state`, unexpected in it, or of another shape than in `expected`, in words."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if state[k].shape != expected[k].shape)
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if wrong:
+        problems.append("shape mismatches " + ", ".join(
+            f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in wrong))
+    return "; ".join(problems)
+
+
+def write_checkpoint(path, state, config):
+    """config.json and model.safetensors, which transformers.AutoModelForMaskedLM loads as is. The tied
+    decoder weight is left out, as Hugging Face does; the weights file is written whole or not at all."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in state.items() if k != "decoder.weight"}
+    tmp = os.path.join(path, "model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "model.safetensors"))
+    write_json(os.path.join(path, "config.json"), config_to_hf(config))
+
+
+def resolve_checkpoint(path_or_id):
+    """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    if os.path.exists(path_or_id) or path_or_id.count("/") != 1:
+        raise InputError(f"{path_or_id}: not a checkpoint directory, and not a hub id like "
+                         f"'answerdotai/ModernBERT-base'")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+    except Exception as e:
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise InputError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: "
+                         f"{reason}); download it where the network allows and pass the local directory") from e
