@@ -1,0 +1,606 @@
+"""The run-directory protocol: checkpoints that survive a kill or a full disk at any instant, a save that
+touches only what it wrote, the schema of state.json, RNG states and signals. A reader of the recipe may skip
+this file.
+
+A run directory OUT, as train.py writes it:
+
+    OUT/run.json                    {"written_by": "train.py", "run_id": <32 hex>, "created": <time>}
+    OUT/config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                    the latest checkpoint's Hugging Face files: OUT loads with from_pretrained
+    OUT/log.jsonl                   one JSON record per line (train.py writes it)
+    OUT/checkpoints/step-00000050/  .checkpoint (the run_id), the Hugging Face files, optimizer.safetensors,
+                                    state.json (written last; lists the other files' sizes)
+    OUT/.lock                       held by the process writing the run
+
+Ownership is by marker, never by name: a folder under checkpoints/ is this run's only if its .checkpoint file
+holds this run's id, so a user's backup (`cp -r run run.old`), another run, or a folder the user put inside
+OUT is never read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
+state.json last), copies the Hugging Face files beside their top-level names, then renames: each top-level
+file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
+any folder of ours whose state.json is there counts, whatever its name.
+"""
+import base64
+import binascii
+import datetime
+import fcntl
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+
+from machinery.cli import InputError, read_json, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version hashes it
+RUN_FILE = "run.json"
+MARKER = ".checkpoint"  # inside a checkpoint folder: the id of the run that wrote it
+STATE = "state.json"
+OPTIMIZER = "optimizer.safetensors"
+# What a checkpoint folder holds besides the marker (a save lists the real names in state.json's "files").
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", OPTIMIZER, STATE)
+# A fresh run refuses a folder holding any of these: it would overwrite or misread them. state.json at the
+# top level is the layout of an older train.py.
+OUTPUTS = ("checkpoints", "log.jsonl", "loss.png", "state.json", *CHECKPOINT_FILES[:-1])
+MAX_INT = 2 ** 62  # counters are far below it; a larger value is a corrupt or edited file
+
+
+class RunDir:
+    """One run directory of train.py: `create` a new one or `open` an existing one, then `lock`, `save`,
+    `latest_state`."""
+
+    def __init__(self, path, run_id):
+        self.path, self.run_id = path, run_id
+        self.log_path = os.path.join(path, "log.jsonl")
+        self.checkpoints = os.path.join(path, "checkpoints")
+        self._lock = None
+
+    # ---- which folder is a run, and whose -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path):
+        """A new run in `path` (made if missing). Refuses a run that holds a checkpoint, a folder a run would
+        overwrite, a file. A run of ours that stopped before its first checkpoint is started over (its lock
+        still keeps two processes apart)."""
+        path = os.path.normpath(path)
+        marker = os.path.join(path, RUN_FILE)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise InputError(f"{path} is a file, not a directory; choose another --out_dir")
+        if os.path.lexists(marker):
+            run = cls.open(path)
+            if run.latest_state() is not None:
+                raise InputError(f"{path} already holds a run of train.py with checkpoints; pass --resume to "
+                                 f"continue it, or choose another --out_dir")
+            return run
+        clash = [name for name in OUTPUTS if os.path.lexists(os.path.join(path, name))]
+        if clash:
+            raise InputError(f"{path} holds {clash[0]} but no {RUN_FILE}: it is not a run of train.py, and a new "
+                             f"run would overwrite it; choose another --out_dir or move it away")
+        run_id = uuid.uuid4().hex
+        tmp = f"{marker}.tmp-{run_id}"
+        try:
+            os.makedirs(path, exist_ok=True)
+            write_json(tmp, {"written_by": "train.py", "run_id": run_id,
+                             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
+            os.link(tmp, marker)  # fails if another process created the run meanwhile: one of them wins
+            _fsync(path)
+        except FileExistsError:
+            raise InputError(f"{path}: another train.py created a run there just now; choose another --out_dir") \
+                from None
+        except OSError as e:
+            raise InputError(f"{path}: cannot create the run directory there ({e.strerror or e})") from None
+        finally:
+            _remove_file(tmp)
+        return cls(path, run_id)
+
+    @classmethod
+    def open(cls, path):
+        """An existing run of train.py; InputError if `path` is not one."""
+        path = os.path.normpath(path)
+        marker = os.path.join(path, RUN_FILE)
+        if not os.path.isfile(marker):
+            old = " (it holds state.json at its top level: a run of an older train.py, which is no longer read)" \
+                if os.path.isfile(os.path.join(path, STATE)) else ""
+            raise InputError(f"{path}: not a run directory of train.py: no {RUN_FILE}{old}")
+        info = read_json(marker, "a run marker of train.py")
+        if not _is_marker(info):
+            raise InputError(f"{marker}: not written by train.py (expected written_by \"train.py\" and a run_id of "
+                             f"32 hex digits)")
+        return cls(path, info["run_id"])
+
+    @staticmethod
+    def is_run(path):
+        """Whether `path` holds a run marker of train.py (never raises)."""
+        try:
+            with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
+                return _is_marker(json.load(f))
+        except (OSError, ValueError, RecursionError):
+            return False
+
+    def _ours(self, folder):
+        """A real folder (not a link) whose marker holds this run's id."""
+        if os.path.islink(folder) or not os.path.isdir(folder):
+            return False
+        try:
+            with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+                return f.read(100).strip() == self.run_id
+        except (OSError, ValueError):
+            return False
+
+    def _folders(self):
+        """Every folder of this run under checkpoints/, whatever its name."""
+        if not os.path.isdir(self.checkpoints):
+            return []
+        folders = (os.path.join(self.checkpoints, name) for name in sorted(os.listdir(self.checkpoints)))
+        return [folder for folder in folders if self._ours(folder)]
+
+    # ---- the lock -------------------------------------------------------------------------------------------
+
+    def lock(self):
+        """An exclusive lock on OUT/.lock, held until unlock() or the process ends."""
+        if self._lock is not None:
+            return
+        lock_path = os.path.join(self.path, ".lock")
+        while True:
+            try:
+                handle = open(lock_path, "a+")
+            except OSError as e:
+                raise InputError(f"{lock_path}: cannot create the lock ({e.strerror})") from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.close()
+                raise InputError(f"{self.path}: another train.py is writing this run (it holds {lock_path})") \
+                    from None
+            # the previous holder may have removed the file after we opened it: hold the one that is there
+            try:
+                if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
+                    self._lock = handle
+                    return
+            except FileNotFoundError:
+                pass
+            handle.close()
+
+    def unlock(self):
+        """At a clean end: remove OUT/.lock and release it."""
+        if self._lock is not None:
+            _remove_file(os.path.join(self.path, ".lock"))
+            self._lock.close()
+            self._lock = None
+
+    # ---- reading -------------------------------------------------------------------------------------------
+
+    def latest_state(self, phases=None, fields=None):
+        """The validated state.json of this run's newest complete checkpoint, with "dir" = its folder; None when
+        there is none. A folder without state.json is a save or a prune that was cut short and is skipped; a
+        state.json that fails the schema, or files whose sizes differ from those it lists, are an InputError."""
+        found = []
+        for folder in self._folders():
+            state = self._read(folder, phases, fields)
+            if state is not None:
+                found.append((state["phase_step"], _recency(folder), folder, state))
+        if not found:
+            return None
+        *_, folder, state = max(found)
+        return {**state, "dir": folder}
+
+    def _read(self, folder, phases=None, fields=None):
+        path = os.path.join(folder, STATE)
+        if not os.path.isfile(path):
+            return None
+        state = validate_state(read_json(path, "a checkpoint's state"), path, phases, fields)
+        wrong = [f"{name} has {_size(os.path.join(folder, name))} bytes, {size} expected"
+                 for name, size in state["files"].items() if _size(os.path.join(folder, name)) != size]
+        if wrong:
+            raise InputError(f"{folder}: {'; '.join(wrong)}: it changed after it was saved. Restore it, or move "
+                             f"the folder out of {self.checkpoints} to use the checkpoint before it")
+        return state
+
+    # ---- the save ------------------------------------------------------------------------------------------
+
+    def save(self, model, optimizer_tensors, state, tokenizer, keep):
+        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files its copies,
+        keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it was and raises
+        one InputError. Returns the checkpoint's folder."""
+        if type(keep) is not int or keep < 1:
+            raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
+        step = validate_state({**state, "files": {}}, "the state to save")["phase_step"]
+        intact = self._intact()
+        tensors = [*model.named_parameters(), *optimizer_tensors.items()]
+        bad = next((name for name, t in tensors if not bool(t.isfinite().all())), None)
+        if bad is not None:  # never replace a good checkpoint by a poisoned one
+            raise InputError(f"non-finite values in {bad} at step {step}: nothing saved, {intact}")
+        tmp = os.path.join(self.checkpoints, f".tmp-step-{step:08d}-{os.getpid()}")
+        staged = {}
+        try:
+            files = self._write(tmp, model, optimizer_tensors, state, tokenizer)
+            # the model file last: until it is replaced, OUT's files are all the previous checkpoint's
+            published = sorted((n for n in files if n != OPTIMIZER), key=lambda n: n == "model.safetensors")
+            for name in published:
+                staged[name] = os.path.join(self.path, f"{name}.tmp-{self.run_id}")
+                shutil.copyfile(os.path.join(tmp, name), staged[name])
+                _fsync(staged[name])
+            for name in published:
+                os.replace(staged.pop(name), os.path.join(self.path, name))
+            _fsync(self.path)
+        except Exception as e:  # OSError, and safetensors' own error types on a full disk
+            for path in staged.values():
+                _remove_file(path)
+            self._remove(tmp)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:200]}"
+            raise InputError(f"could not write the checkpoint of step {step} in {self.checkpoints}: {reason}; "
+                             f"{intact}") from None
+        folder = self._place(tmp, step)
+        self._prune(keep, folder)
+        return folder
+
+    def _intact(self):
+        """What a failed save leaves, for its message (a damaged older checkpoint must not stop the run here)."""
+        try:
+            previous = self.latest_state()
+        except InputError:
+            return "the earlier checkpoints are as they were"
+        return f"the previous checkpoint {previous['dir']} is intact" if previous else \
+            "this run has no earlier checkpoint; nothing was changed"
+
+    def _write(self, tmp, model, optimizer_tensors, state, tokenizer):
+        """The complete checkpoint in `tmp`: marker first, state.json last. Returns the files' sizes."""
+        from safetensors.torch import save_file
+        if self._ours(tmp):  # left by an earlier process with our pid
+            self._remove(tmp)
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(self.run_id + "\n")
+        model.save_pretrained(tmp)
+        save_file({k: v.detach().contiguous() for k, v in optimizer_tensors.items()}, os.path.join(tmp, OPTIMIZER))
+        tokenizer.save_pretrained(tmp)
+        names = sorted(set(os.listdir(tmp)) - {MARKER})
+        for name in [MARKER, *names]:
+            _fsync(os.path.join(tmp, name))
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in names}
+        write_json(os.path.join(tmp, STATE), validate_state({**state, "files": sizes}, "the state to save"))
+        _fsync(tmp)
+        return sizes
+
+    def _place(self, tmp, step):
+        """Rename the written folder to checkpoints/step-N. An earlier step-N of ours is moved aside first (it
+        stays a complete checkpoint under its new name until the prune); someone else's is left alone."""
+        target = os.path.join(self.checkpoints, f"step-{step:08d}")
+        if os.path.lexists(target) and not self._ours(target):
+            target = f"{target}-{self.run_id}"
+        if os.path.lexists(target):
+            os.rename(target, f"{tmp}-replaced")
+        os.rename(tmp, target)
+        _fsync(self.checkpoints)
+        return target
+
+    def _prune(self, keep, newest):
+        """Remove this run's folders but `newest` and the keep - 1 next newest complete ones."""
+        complete = []
+        for folder in self._folders():
+            try:
+                state = self._read(folder)
+            except InputError:  # a damaged older checkpoint of ours: pruned like an incomplete one
+                state = None
+            if state is not None and folder != newest and not os.path.basename(folder).startswith("."):
+                complete.append((state["phase_step"], folder))
+        kept = {newest, *(folder for _, folder in sorted(complete, reverse=True)[:keep - 1])}
+        for folder in self._folders():
+            if folder not in kept:
+                self._remove(folder)
+
+    def _remove(self, folder):
+        """Delete the files a save writes in a folder of ours: state.json first (the folder stops counting as
+        a checkpoint), the marker last (a kill midway leaves it ours, removed by the next save). A file we did
+        not write stays, and so does the folder then."""
+        if not self._ours(folder):
+            return
+        names = set(CHECKPOINT_FILES)
+        with_state = os.path.join(folder, STATE)
+        try:
+            files = read_json(with_state).get("files", {})
+            names.update(n for n in files if isinstance(n, str) and _plain_name(n))
+        except (InputError, AttributeError, TypeError):
+            pass
+        try:
+            ours = [n for n in os.listdir(folder) if n.split(".tmp")[0] in names and n != STATE]
+            for name in [STATE, *ours, MARKER]:
+                _remove_file(os.path.join(folder, name))
+            if not os.listdir(folder):
+                os.rmdir(folder)
+        except OSError as e:
+            print(f"warning: could not remove {folder} ({e.strerror})", file=sys.stderr)
+
+
+def latest_state(path, phases=None, fields=None):
+    """The newest complete checkpoint's state of the run in `path` (with "dir"), None if `path` is no run of
+    ours or holds no checkpoint yet."""
+    return RunDir.open(path).latest_state(phases, fields) if RunDir.is_run(path) else None
+
+
+def _recency(folder):
+    """Among checkpoints of one step (a step saved again), the newer write: a save's complete folder not yet
+    renamed (the top-level files may be its already), then the one in place, then the one it replaces."""
+    name = os.path.basename(folder)
+    return 0 if name.endswith("-replaced") else 2 if name.startswith(".") else 1
+
+
+def _is_marker(info):
+    return isinstance(info, dict) and info.get("written_by") == "train.py" and \
+        isinstance(info.get("run_id"), str) and re.fullmatch(r"[0-9a-f]{32}", info["run_id"]) is not None
+
+
+def _plain_name(name):
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _fsync(path):
+    """Flush a file, or a folder's entries (a rename or a new file), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_file(path):
+    try:
+        os.remove(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+
+
+# -----------------------------------------------------------------------------
+# The schema of state.json: every field typed and bounded before any weight is loaded. Containers are typed
+# down to their leaves, so nesting deeper than the schema's three levels fails where it starts.
+
+
+class _Bad(Exception):
+    def __init__(self, field, message):
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+
+def _show(value):
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{kind} {text[:60]}{'...' if len(text) > 60 else ''}" if not isinstance(value, (list, dict)) else kind
+
+
+def _count(value, field):
+    """An integer in [0, 2**62): a step or token counter. A bool is not an integer here."""
+    if type(value) is not int:
+        raise _Bad(field, f"expected an integer >= 0, got {_show(value)}")
+    if not 0 <= value < MAX_INT:
+        raise _Bad(field, f"expected an integer in [0, 2**62), got {value}")
+    return value
+
+
+def _text(value, field, limit=4096):
+    if type(value) is not str or len(value) > limit:
+        raise _Bad(field, f"expected a string of at most {limit} characters, got {_show(value)}")
+    return value
+
+
+def _object(value, field, check, limit):
+    """A JSON object of at most `limit` entries, each value passed to check(value, field_of_entry)."""
+    if type(value) is not dict or len(value) > limit:
+        raise _Bad(field, f"expected an object of at most {limit} entries, got {_show(value)}")
+    for key, item in value.items():
+        check(item, f"{field}.{key}")
+    return value
+
+
+def _list(value, field, check, limit):
+    if type(value) is not list or len(value) > limit:
+        raise _Bad(field, f"expected a list of at most {limit} entries, got {_show(value)}")
+    for i, item in enumerate(value):
+        check(item, f"{field}[{i}]")
+    return value
+
+
+SETTINGS = {  # a setting's type name in train.py -> (check, what it expects)
+    "int": (lambda v: type(v) is int and abs(v) < MAX_INT, "an integer"),
+    "float": (lambda v: type(v) in (int, float) and math.isfinite(v) and abs(v) < 1e300, "a finite number"),
+    "str": (lambda v: type(v) is str and len(v) <= 4096, "a string"),
+    "bool": (lambda v: type(v) is bool, "true or false"),
+}
+
+
+def _setting(value, field, kind=None):
+    """One configuration value: a finite number, a string or a boolean; of type `kind` when it is known."""
+    if kind is None:
+        if not any(check(value) for check, _ in SETTINGS.values()):
+            raise _Bad(field, f"expected a finite number, a string or a boolean, got {_show(value)}")
+    elif not SETTINGS[kind][0](value):
+        raise _Bad(field, f"expected {SETTINGS[kind][1]}, got {_show(value)}")
+
+
+def _config(value, fields):
+    if fields is None:
+        return _object(value, "config", _setting, 512)
+    _object(value, "config", lambda v, f: None, 512)
+    for key, item in value.items():
+        if key not in fields:
+            raise _Bad(f"config.{key}", f"not a setting of train.py (known: {', '.join(sorted(fields))})")
+        _setting(item, f"config.{key}", fields[key])
+    return value
+
+
+def _loader(value, field):
+    def check(item, name):
+        if not (item is None or SETTINGS["int"][0](item) or SETTINGS["str"][0](item)):
+            raise _Bad(name, f"expected an integer, a string or null, got {_show(item)}")
+    _object(value, field, check, 64)
+    if "sequence" not in value:
+        raise _Bad(f"{field}.sequence", "missing")
+    _count(value["sequence"], f"{field}.sequence")
+    return value
+
+
+def _rng_bytes(value, field):
+    try:
+        return base64.b64decode(_text(value, field, 1 << 20), validate=True)
+    except (binascii.Error, ValueError):
+        raise _Bad(field, "not base64 (expected an RNG state written by train.py)") from None
+
+
+def _rng(value, field):
+    import torch
+    _object(value, field, _rng_bytes, 8)
+    if "cpu" not in value:
+        raise _Bad(f"{field}.cpu", "missing")
+    want = torch.get_rng_state().numel()
+    if len(_rng_bytes(value["cpu"], f"{field}.cpu")) != want:
+        raise _Bad(f"{field}.cpu", f"expected {want} bytes of torch's CPU RNG state")
+    return value
+
+
+def _record(value, field):
+    """One run this one continues: {phase, tokens, dir}."""
+    if type(value) is not dict or set(value) != {"phase", "tokens", "dir"}:
+        raise _Bad(field, f"expected an object with phase, tokens and dir, got {_show(value)}")
+    _text(value["phase"], f"{field}.phase", 64)
+    _count(value["tokens"], f"{field}.tokens")
+    _text(value["dir"], f"{field}.dir")
+    return value
+
+
+def _files(value, field):
+    _object(value, field, lambda v, f: None, 64)
+    for name, size in value.items():
+        if not _plain_name(name):
+            raise _Bad(f"{field}[{name!r}]", "not a plain file name")
+        _count(size, f"{field}[{name!r}]")
+    return value
+
+
+def _code(value, field):
+    def check(item, name):
+        if not (item is None or type(item) is str and len(item) <= 256):
+            raise _Bad(name, f"expected a string or null, got {_show(item)}")
+    return _object(value, field, check, 16)
+
+
+STATE_FIELDS = {  # field -> check(value, field); phase and config are checked against the caller's tables
+    "phase": lambda v, f: _text(v, f, 64), "step": _count, "phase_step": _count, "phase_tokens": _count,
+    "total_tokens": _count, "schedule_tokens_done": _count, "loader": _loader,
+    "rng": lambda v, f: _list(v, f, _rng, 1 << 16), "config": None, "code": _code,
+    "tokenizer": _text, "history": lambda v, f: _list(v, f, _record, 1000), "files": _files,
+}
+
+
+def validate_state(state, source, phases=None, fields=None):
+    """state.json checked field by field; an InputError names `source` and the field. `phases`: the phase
+    names allowed; `fields`: train.py's settings {name: "int" | "float" | "str" | "bool"}."""
+    try:
+        if type(state) is not dict:
+            raise _Bad("(top level)", f"expected an object, got {_show(state)}")
+        for key in STATE_FIELDS:
+            if key not in state:
+                raise _Bad(key, "missing")
+        for key, value in state.items():
+            if key not in STATE_FIELDS:
+                raise _Bad(key, f"not a field of a checkpoint's state (known: {', '.join(STATE_FIELDS)})")
+            if key == "config":
+                _config(value, fields)
+            else:
+                STATE_FIELDS[key](value, key)
+        if phases is not None and state["phase"] not in phases:
+            raise _Bad("phase", f"{state['phase']!r} is not a phase (known: {', '.join(phases)})")
+        if state["step"] < state["phase_step"]:
+            raise _Bad("step", f"{state['step']} is less than phase_step {state['phase_step']}")
+        if state["total_tokens"] < state["phase_tokens"]:
+            raise _Bad("total_tokens", f"{state['total_tokens']} is less than phase_tokens {state['phase_tokens']}")
+    except _Bad as e:
+        raise InputError(f"{source}: {e.field}: {e.message}") from None
+    return state
+
+
+# -----------------------------------------------------------------------------
+# RNG states, the code's version, the log, signals.
+
+
+def rng_state(device):
+    """This process's torch RNG states as base64 text (a checkpoint holds JSON, never pickles)."""
+    import torch
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state, device):
+    import torch
+    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(decode(state["cpu"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(decode(state["cuda"]), device)
+
+
+def code_version():
+    """The git commit when there is one, and a hash of the code that ran (it may be uncommitted): the lesson
+    files and this package."""
+    digest = hashlib.sha256()
+    names = ["model.py", "data.py", "train.py", "freeze.py",
+             *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "machinery", "*.py")))]
+    for name in names:
+        path = os.path.join(ROOT, name)
+        if os.path.isfile(path):
+            digest.update(name.encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"git": commit or None, "sha256": digest.hexdigest()[:16]}
+
+
+def append_log(path, record):
+    """One JSON line; a non-finite number is written as null (JSON has no NaN)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
+
+
+class GracefulStop:
+    """SIGINT and SIGTERM while training: the first sets .requested (the loop saves at the next step boundary
+    and exits), a second raises KeyboardInterrupt at once. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested, self.signal_name, self._old = False, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
+        return False
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}")
+        self.requested, self.signal_name = True, signal.Signals(signum).name

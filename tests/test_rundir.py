@@ -1,0 +1,517 @@
+"""The run-directory protocol: a save touches only what it wrote, survives a kill at every system call and a
+real full disk, and every field of state.json is checked before it is trusted."""
+import base64
+import copy
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, tiny_model
+from safetensors.torch import load_file
+
+import data
+from machinery import rundir
+from machinery.cli import InputError
+from machinery.rundir import GracefulStop, RunDir, validate_state
+
+PHASES = ("mlm", "clm", "decay")
+FIELDS = {"lr": "float", "seed": "int", "recipe": "str", "compile": "bool"}
+TOP_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def small_model(step):
+    """A one-block model whose weights say which step saved them."""
+    model = tiny_model(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(step)
+    return model
+
+
+def moments(model, step):
+    gen = torch.Generator().manual_seed(step)
+    return {f"exp_avg.{n}": torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+
+
+def make_state(step, phase="mlm"):
+    return dict(phase=phase, step=step + 10, phase_step=step, phase_tokens=step * 64, total_tokens=step * 64 + 100,
+                schedule_tokens_done=step * 64, loader={"sequence": step * 4, "split": "train", "data_seed": 42},
+                rng=[rundir.rng_state(torch.device("cpu"))], config={"lr": 2e-3, "seed": 17, "recipe": "demo",
+                                                                    "compile": False},
+                code={"git": None, "sha256": "0" * 16}, tokenizer="bytes",
+                history=[{"phase": "clm", "tokens": 100, "dir": "out/clm"}])
+
+
+TOKENIZER = data.load_tokenizer("bytes")
+
+
+def save(run, step, keep=3):
+    model = small_model(step)
+    return run.save(model, moments(model, step), make_state(step), TOKENIZER, keep)
+
+
+def tree(path):
+    """{relative path: sha256} of every file under path."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def leftovers(run):
+    """Anything of a save's temporary names still in the run: .tmp folders under checkpoints, staged files."""
+    names = os.listdir(run.checkpoints) if os.path.isdir(run.checkpoints) else []
+    return [n for n in names if n.startswith(".tmp")] + [n for n in os.listdir(run.path) if ".tmp" in n]
+
+
+def check_checkpoint(state, step):
+    """The checkpoint in state["dir"] is the one `save(run, step)` wrote, tensor for tensor."""
+    assert state["phase_step"] == step
+    model = small_model(step)
+    weights = load_file(os.path.join(state["dir"], "model.safetensors"))
+    for name, p in model.state_dict().items():
+        if name in weights:
+            assert torch.equal(weights[name], p), name
+    optimizer = load_file(os.path.join(state["dir"], "optimizer.safetensors"))
+    assert optimizer.keys() == moments(model, step).keys()
+    assert all(torch.equal(optimizer[k], v) for k, v in moments(model, step).items())
+
+
+# ---- ownership: what a save and a resume may touch ---------------------------------------------------------
+
+
+def test_user_files_backups_and_foreign_folders_are_never_touched(tmp_path):
+    out, backup, other = tmp_path / "run", tmp_path / "run.old", tmp_path / "other"
+    run = RunDir.create(str(out))
+    (out / "README.md").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.txt").write_text("0.9")
+    (out / "results.json").write_text("{}")
+    save(run, 1)
+    shutil.copytree(out, backup)  # cp -r run run.old: the same run_id, every checkpoint marker included
+    shutil.copytree(save(RunDir.create(str(other)), 99), out / "checkpoints" / "step-00000099")  # another run's
+    (out / "checkpoints" / "step-00000098").mkdir()  # and a folder without a marker
+    (out / "checkpoints" / "step-00000098" / "state.json").write_text(json.dumps(make_state(98)))
+    user = ("README.md", "eval/scores.txt", "results.json", "run.json", "checkpoints/step-00000098/state.json",
+            *(f"checkpoints/step-00000099/{name}" for name in os.listdir(out / "checkpoints" / "step-00000099")))
+    before, before_backup = tree(out), tree(backup)
+    for step in (2, 3, 4):
+        save(run, step, keep=2)
+        check_checkpoint(RunDir.open(str(out)).latest_state(), step)
+    after = tree(out)
+    assert {k: after.get(k) for k in user} == {k: before[k] for k in user}
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step-{s:08d}" for s in (3, 4, 98, 99)]
+    assert tree(backup) == before_backup
+    assert RunDir.open(str(backup)).latest_state()["dir"] == str(backup / "checkpoints" / "step-00000001")
+    # a different run trained into run.old is never adopted by run
+    shutil.rmtree(backup)
+    stranger = RunDir.create(str(backup))
+    save(stranger, 500)
+    assert stranger.run_id != run.run_id
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["other", "run", "run.old"]
+
+
+def test_a_foreign_folder_at_the_name_of_our_step_is_left_alone(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    foreign = tmp_path / "run" / "checkpoints" / "step-00000002"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    folder = save(run, 2)
+    assert folder != str(foreign) and (foreign / "notes.txt").read_text() == "mine"
+    check_checkpoint(run.latest_state(), 2)
+
+
+def test_user_files_inside_a_pruned_checkpoint_survive(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    first = save(run, 1)
+    with open(os.path.join(first, "eval.json"), "w") as f:
+        f.write("{}")
+    save(run, 2, keep=1)
+    assert os.listdir(first) == ["eval.json"]  # our files gone, the marker too: the folder is the user's now
+    save(run, 3, keep=1)
+    assert os.listdir(first) == ["eval.json"]
+
+
+@pytest.mark.parametrize("keep, steps, kept", [(1, 4, [4]), (2, 5, [4, 5]), (3, 2, [1, 2]), (3, 5, [3, 4, 5])])
+def test_keep_prunes_to_the_newest(tmp_path, keep, steps, kept):
+    run = RunDir.create(str(tmp_path / "run"))
+    for step in range(1, steps + 1):
+        save(run, step, keep=keep)
+    assert sorted(os.listdir(run.checkpoints)) == [f"step-{s:08d}" for s in kept]
+    for name in TOP_FILES:  # OUT's Hugging Face files are the newest checkpoint's
+        assert digest(f"{run.path}/{name}") == digest(f"{run.checkpoints}/step-{steps:08d}/{name}"), name
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])
+def test_keep_below_one_is_refused(tmp_path, keep):
+    run = RunDir.create(str(tmp_path / "run"))
+    with pytest.raises(InputError, match="--keep"):
+        save(run, 1, keep=keep)
+    assert not os.path.exists(run.checkpoints)
+
+
+def test_saving_a_step_again_replaces_only_our_folder(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    model = small_model(7)
+    run.save(model, moments(model, 7), make_state(1), TOKENIZER, keep=3)
+    assert os.listdir(run.checkpoints) == ["step-00000001"]
+    weights = load_file(os.path.join(run.checkpoints, "step-00000001", "model.safetensors"))
+    assert all(torch.equal(weights[n], p) for n, p in model.state_dict().items() if n in weights)
+
+
+# ---- creating, opening, locking ------------------------------------------------------------------------------
+
+
+def with_run(path):
+    save(RunDir.create(path), 1)
+
+
+@pytest.mark.parametrize("prepare, match", [
+    (lambda p: open(p, "w").close(), "is a file"),
+    (with_run, "pass --resume"),
+    (lambda p: os.makedirs(p + "/checkpoints"), "holds checkpoints"),
+    (lambda p: os.makedirs(p) or open(p + "/config.json", "w").close(), "holds config.json"),
+    (lambda p: os.makedirs(p) or open(p + "/model.safetensors", "w").close(), "holds model.safetensors"),
+    (lambda p: os.makedirs(p) or open(p + "/log.jsonl", "w").close(), "holds log.jsonl"),
+    (lambda p: os.makedirs(p) or open(p + "/state.json", "w").close(), "holds state.json"),
+    (lambda p: os.makedirs(p) or open(p + "/run.json", "w").write('{"written_by": "x"}'), "not written by train"),
+    (lambda p: os.makedirs(p) or open(p + "/run.json", "w").write("{"), "not valid JSON"),
+    (lambda p: os.rmdir(os.path.dirname(p)) or open(os.path.dirname(p), "w").close(), "cannot create"),
+])
+def test_create_refuses(tmp_path, prepare, match):
+    (tmp_path / "parent").mkdir()
+    path = str(tmp_path / "parent" / "run")
+    prepare(path)
+    before = tree(tmp_path)
+    with pytest.raises(InputError, match=match):
+        RunDir.create(path)
+    assert tree(tmp_path) == before
+
+
+def test_create_accepts_a_folder_of_user_files_and_restarts_a_run_that_never_saved(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "README.md").write_text("notes")
+    run = RunDir.create(str(tmp_path / "run"))
+    assert RunDir.is_run(run.path) and RunDir.open(run.path).run_id == run.run_id
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["written_by"] == "train.py"
+    again = RunDir.create(run.path)  # killed before its first checkpoint: started over, same marker
+    assert again.run_id == run.run_id and (tmp_path / "run" / "README.md").read_text() == "notes"
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no run.json"), ("[1]", "not written by train.py"), ('{"written_by": "train.py", "run_id": "x"}', "run_id"),
+    ('{"written_by": "eval.py", "run_id": "' + "a" * 32 + '"}', "not written by"), ("{", "not valid JSON"),
+])
+def test_open_refuses_what_is_not_our_run(tmp_path, content, match):
+    (tmp_path / "run").mkdir()
+    if content is not None:
+        (tmp_path / "run" / "run.json").write_text(content)
+    with pytest.raises(InputError, match=match):
+        RunDir.open(str(tmp_path / "run"))
+    assert not RunDir.is_run(str(tmp_path / "run"))
+    assert rundir.latest_state(str(tmp_path / "run")) is None
+
+
+def test_the_lock_keeps_a_second_writer_out(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    run.lock()
+    script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from machinery.rundir import RunDir; " \
+             f"RunDir.open({run.path!r}).lock()"
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert other.returncode == 1 and f"it holds {run.path}/.lock" in other.stderr
+    with pytest.raises(InputError, match=r"\.lock"):
+        RunDir.open(run.path).lock()
+    run.unlock()
+    assert not os.path.exists(run.path + "/.lock")
+    second = RunDir.open(run.path)
+    second.lock()
+    second.unlock()
+
+
+# ---- kills and full disks ------------------------------------------------------------------------------------
+
+
+class Killed(BaseException):
+    """A kill: no `except Exception` cleans up after it."""
+
+
+def count_calls(monkeypatch, name, fail_at=None):
+    calls, real = [0], getattr(os, name)
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise Killed(f"{name} call {fail_at}")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(os, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("new_step", [2, 1], ids=["next-step", "same-step-again"])
+@pytest.mark.parametrize("call", ["replace", "rename", "fsync"])
+def test_a_kill_at_every_call_of_a_save_leaves_one_complete_checkpoint(tmp_path, monkeypatch, call, new_step):
+    base = tmp_path / "base"
+    run = RunDir.create(str(base))
+    (base / "README.md").write_text("mine")
+    save(run, 1)
+    old_model = digest(base / "model.safetensors")
+    step = new_step if new_step == 2 else 11  # a re-save of step 1 carries other weights (those of step 11)
+    model = small_model(step)
+    for k in range(1, 1000):
+        out = tmp_path / f"kill{k}"
+        shutil.copytree(base, out)
+        run = RunDir.open(str(out))
+        with monkeypatch.context() as m:
+            calls = count_calls(m, call, fail_at=k)
+            try:
+                run.save(model, moments(model, step), make_state(new_step), TOKENIZER, keep=3)
+            except Killed:
+                pass
+        if calls[0] < k:  # the save made fewer calls: every one has been a kill point
+            assert k > 1
+            break
+        state = RunDir.open(str(out)).latest_state()  # what a resume would read
+        saved = 1 if digest(os.path.join(state["dir"], "model.safetensors")) == old_model else step
+        check_checkpoint({**state, "phase_step": saved}, saved)
+        assert state["phase_step"] in (1, new_step)
+        top = digest(out / "model.safetensors")  # the old model, or the new one once the new checkpoint is complete
+        assert top == old_model or top == digest(os.path.join(state["dir"], "model.safetensors")) != old_model
+        save(run, 3)
+        check_checkpoint(run.latest_state(), 3)
+        assert leftovers(run) == [] and (out / "README.md").read_text() == "mine"
+
+
+def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    before = tree(tmp_path / "run")
+    from safetensors import SafetensorError
+    for target, error in [("shutil.copyfile", OSError(28, "No space left on device")),
+                          ("safetensors.torch.save_file", SafetensorError("Error while serializing: IoError")),
+                          ("data.Tokenizer.save_pretrained", OSError(5, "Input/output error"))]:
+        with monkeypatch.context() as m:
+            m.setattr(target, lambda *a, **k: (_ for _ in ()).throw(error))
+            with pytest.raises(InputError) as e:
+                save(run, 2)
+        assert "could not write the checkpoint of step 2" in str(e.value)
+        assert "step-00000001 is intact" in str(e.value)
+        assert tree(tmp_path / "run") == before and leftovers(run) == []
+
+
+def mount_tmpfs(path, size):
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here to fill a real disk ({result.stderr.strip()[:100]})")
+
+
+@pytest.mark.parametrize("checkpoints_of_room", [1.4, 2.2, 3.7])
+def test_a_real_full_disk_gives_one_error_and_keeps_the_previous_checkpoint(tmp_path, checkpoints_of_room):
+    probe = RunDir.create(str(tmp_path / "probe"))
+    save(probe, 1)
+    one = sum(-(-os.path.getsize(os.path.join(r, f)) // 4096) * 4096 + 4096  # tmpfs: pages, and an inode
+              for r, _, fs in os.walk(probe.path) for f in fs)
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, int(one * checkpoints_of_room) // 4096 * 4096)
+    try:
+        run = RunDir.create(str(disk / "run"))
+        (disk / "run" / "README.md").write_text("mine")
+        errors, step = [], 0
+        while not errors and step < 20:
+            step += 1
+            before = tree(disk / "run")
+            try:
+                save(run, step, keep=100)
+            except InputError as e:
+                errors.append(str(e))
+        assert len(errors) == 1 and step >= 2, errors
+        assert f"step-{step - 1:08d} is intact" in errors[0] and "could not write the checkpoint" in errors[0]
+        assert tree(disk / "run") == before and leftovers(run) == []
+        check_checkpoint(run.latest_state(), step - 1)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+# ---- the schema of state.json --------------------------------------------------------------------------------
+
+
+def deep(levels):
+    value = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def edit(path, value):
+    """A copy of a good state with the field at `path` ("loader.sequence", "history.0.tokens") set or deleted."""
+    state = json.loads(json.dumps(make_state(4)))
+    *parents, last = path.split(".")
+    target = state
+    for key in parents:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    if isinstance(target, list):
+        last = int(last)
+    if value is DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return state
+
+
+DELETE = object()
+BAD_STATES = [  # (field to edit, bad value, the field the message names)
+    ("step", "5", "step"), ("step", -1, "step"), ("step", True, "step"), ("step", 1e30, "step"),
+    ("step", float("nan"), "step"), ("step", 2 ** 62, "step"), ("step", 4.0, "step"), ("step", None, "step"),
+    ("step", DELETE, "step"), ("step", 3, "step"),  # below phase_step
+    ("phase_step", 1e30, "phase_step"), ("phase_step", -5, "phase_step"), ("phase_tokens", "x", "phase_tokens"),
+    ("total_tokens", 1.5, "total_tokens"), ("total_tokens", 10, "total_tokens"),  # below phase_tokens
+    ("schedule_tokens_done", -1, "schedule_tokens_done"), ("schedule_tokens_done", [], "schedule_tokens_done"),
+    ("phase", "foo", "phase"), ("phase", 3, "phase"), ("phase", "x" * 100, "phase"),
+    ("loader", "abc", "loader"), ("loader.sequence", "ten", "loader.sequence"), ("loader.sequence", -1,
+                                                                               "loader.sequence"),
+    ("loader.sequence", DELETE, "loader.sequence"), ("loader.split", [1], "loader.split"),
+    ("loader.sequence", 2.5, "loader.sequence"), ("config", "x", "config"), ("config.lr", "abc", "config.lr"),
+    ("config.lr", float("nan"), "config.lr"), ("config.lr", float("inf"), "config.lr"),
+    ("config.lr", {"a": {"b": 1}}, "config.lr"), ("config.seed", 1.5, "config.seed"),
+    ("config.seed", True, "config.seed"), ("config.compile", "yes", "config.compile"),
+    ("config.lrr", 1.0, "config.lrr"), ("history", "x", "history"), ("history", {"0": 1}, "history"),
+    ("history", [1], "history[0]"), ("history.0.tokens", -1, "history[0].tokens"),
+    ("history.0.dir", DELETE, "history[0]"), ("history.0.phase", deep(50), "history[0].phase"),
+    ("history", deep(200), "history[0]"), ("rng", "x", "rng"), ("rng.0.cpu", "!!!not base64", "rng[0].cpu"),
+    ("rng.0.cpu", base64.b64encode(b"short").decode(), "rng[0].cpu"), ("rng.0", "x", "rng[0]"),
+    ("rng.0.cpu", DELETE, "rng[0].cpu"), ("rng.0.cuda", 5, "rng[0].cuda"), ("files", "x", "files"),
+    ("files.model.safetensors", -1, "files['model.safetensors']"), ("files.../x", 3, "files['../x']"),
+    ("code", "x", "code"), ("code.git", 5, "code.git"), ("tokenizer", 5, "tokenizer"),
+    ("tokenizer", DELETE, "tokenizer"), ("surprise", 1, "surprise"),
+]
+
+
+@pytest.mark.parametrize("path, value, field", BAD_STATES, ids=[f"{p}={str(v)[:20]}" for p, v, _ in BAD_STATES])
+def test_validate_state_names_the_field_and_the_file(path, value, field):
+    if path.startswith("files."):  # file names hold dots: set the entry directly
+        state = make_state(4)
+        state["files"] = {path[len("files."):]: value}
+    else:
+        state = edit(path, value)
+        state.setdefault("files", {})
+    with pytest.raises(InputError) as e:
+        validate_state(state, "run/checkpoints/step-00000004/state.json", PHASES, FIELDS)
+    assert str(e.value).startswith(f"run/checkpoints/step-00000004/state.json: {field}:"), str(e.value)
+
+
+def test_validate_state_accepts_a_good_state_and_the_top_level_must_be_an_object():
+    good = {**make_state(4), "files": {"model.safetensors": 10}}
+    assert validate_state(copy.deepcopy(good), "s.json", PHASES, FIELDS) == good
+    assert validate_state(json.loads(json.dumps(good)), "s.json") == good
+    with pytest.raises(InputError, match=r"^s\.json: \(top level\): expected an object"):
+        validate_state([good], "s.json")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda f: open(f + "/state.json", "w").write('{"step": "5"'), "state.json: not valid JSON"),
+    (lambda f: open(f + "/state.json", "w").write("[" * 100000 + "]" * 100000), "state.json: not valid JSON"),
+    (lambda f: edit_file(f + "/state.json", "phase_step", -3), "state.json: phase_step: expected an integer"),
+    (lambda f: edit_file(f + "/state.json", "rng", [{"cpu": "%%"}]), r"state.json: rng\[0\].cpu: not base64"),
+    (lambda f: open(f + "/model.safetensors", "ab").write(b"x"), "model.safetensors has"),
+    (lambda f: os.remove(f + "/optimizer.safetensors"), "optimizer.safetensors has None bytes"),
+])
+def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, damage, match):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    folder = save(run, 2)
+    damage(folder)
+    with pytest.raises(InputError, match=match) as e:
+        rundir.latest_state(run.path, PHASES)
+    assert folder in str(e.value)
+    save(run, 3, keep=1)  # a later save still works, and prunes the damaged folder of ours
+    assert os.listdir(run.checkpoints) == ["step-00000003"]
+
+
+def edit_file(path, key, value):
+    with open(path) as f:
+        state = json.load(f)
+    state[key] = value
+    with open(path, "w") as f:
+        json.dump(state, f)
+
+
+def test_a_non_finite_weight_or_moment_is_never_saved(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    before = tree(run.path)
+    model = small_model(2)
+    bad = moments(model, 2)
+    next(iter(bad.values()))[0] = float("nan")
+    with pytest.raises(InputError, match="non-finite values in exp_avg.* at step 2.*step-00000001 is intact"):
+        run.save(model, bad, make_state(2), TOKENIZER, keep=3)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("inf"))
+    with pytest.raises(InputError, match="non-finite values in .* at step 2"):
+        run.save(model, moments(model, 2), make_state(2), TOKENIZER, keep=3)
+    assert tree(run.path) == before
+
+
+# ---- RNG, code version, log, signals -------------------------------------------------------------------------
+
+
+def test_rng_state_round_trips_through_json():
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(rundir.rng_state(torch.device("cpu"))))
+    expected = torch.rand(5)
+    torch.manual_seed(4)
+    rundir.set_rng_state(state, torch.device("cpu"))
+    assert torch.equal(torch.rand(5), expected)
+
+
+def test_code_version_hashes_the_lesson_files_and_the_machinery(tmp_path, monkeypatch):
+    for name in ("model.py", "data.py", "train.py", "freeze.py", "machinery/cli.py"):
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        (tmp_path / name).write_text(name)
+    monkeypatch.setattr(rundir, "ROOT", str(tmp_path))
+    first = rundir.code_version()
+    assert first["git"] is None and len(first["sha256"]) == 16
+    (tmp_path / "machinery" / "cli.py").write_text("changed")
+    assert rundir.code_version()["sha256"] != first["sha256"]
+    (tmp_path / "machinery" / "cli.py").write_text("machinery/cli.py")
+    assert rundir.code_version() == first
+
+
+def test_append_log_writes_strict_json_lines(tmp_path):
+    path = str(tmp_path / "log.jsonl")
+    rundir.append_log(path, {"step": 1, "loss": 2.5})
+    rundir.append_log(path, {"step": 2, "loss": float("nan"), "mfu": None})
+    with open(path) as f:
+        lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the log")) for line in f]
+    assert lines == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": None, "mfu": None}]
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
+                                           (signal.SIGTERM, signal.SIGINT)])
+def test_graceful_stop(capsys, first, second):
+    before = {s: signal.getsignal(s) for s in GracefulStop.SIGNALS}
+    with GracefulStop() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), first)
+        assert stop.requested and stop.signal_name == first.name
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), second)
+    assert {s: signal.getsignal(s) for s in GracefulStop.SIGNALS} == before
+    assert capsys.readouterr() == ("", "")
