@@ -1,0 +1,286 @@
+"""Loss pictures from log.jsonl, across phase hand-offs and across runs. A reader of the recipe may skip this file.
+
+A run's picture shows its train and validation losses and learning rate against tokens, with the runs it
+continues before it on the same axis (a detour and its decay read as one curve).
+
+    python -m machinery.curves out/clm25-mlm                          # writes out/clm25-mlm/loss.png
+    python -m machinery.curves out/clm25-mlm out/mlm --out=cmp.png    # several runs, one colour each
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+
+from machinery import rundir
+from machinery.cli import InputError, Parser, run
+
+_said = set()  # the messages this process has printed: each is said once, however often the trainer draws
+
+
+def say_once(message):
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The series: log records on one token axis across phase hand-offs.
+
+
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_log(path):
+    """The records of a log.jsonl, in order. A last line cut short (a kill mid-write) is dropped; any other line
+    that is not a JSON object with numeric step and tokens is skipped with a warning."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    records, bad = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and is_number(record.get("step")) and is_number(record.get("tokens")):
+            records.append(record)
+        elif number == len(lines):  # no newline after it: the write was cut short
+            say_once(f"warning: {path}: line {number} is cut short (a write was interrupted); drawn without it")
+        else:
+            bad.append(number)
+    if bad:
+        say_once(f"warning: {path}: skipped {len(bad)} line(s) that are not log records (line {bad[0]} first)")
+    return records
+
+
+def run_dir_of(folder):
+    """The run directory a history entry names: a checkpoint folder OUT/checkpoints/step-N is two levels below its
+    run; runs written before checkpoint folders existed recorded the run directory itself."""
+    folder = os.path.normpath(folder)
+    if os.path.basename(os.path.dirname(folder)) == "checkpoints":
+        return os.path.dirname(os.path.dirname(folder))
+    return folder
+
+
+def parent_log(folder, run_dir):
+    """The log.jsonl of the run a history entry names, or None with a warning (once). A relative path was
+    recorded from the directory train.py ran in; when that is not this one, the parent is looked for beside
+    run_dir, where a chain of phases usually lives (out/clm25 and out/clm25-mlm)."""
+    parent = run_dir_of(folder)
+    places = [parent]
+    if not os.path.isabs(parent):
+        places.append(os.path.join(os.path.dirname(os.path.abspath(run_dir)), os.path.basename(parent)))
+    for place in places:
+        if os.path.isfile(os.path.join(place, "log.jsonl")):
+            return os.path.join(place, "log.jsonl")
+    say_once(f"warning: {run_dir} continues {parent}, whose log.jsonl is not there: its tokens stay on the axis, "
+             f"its curve is not drawn")
+    return None
+
+
+def segment(phase, run_dir, offset, records, until=None):
+    """One phase's records, their tokens moved by `offset` (the tokens of the phases before it). A parent's
+    records stop where the child took over (`until`): a parent trained on after the hand-off is not drawn on."""
+    kept = [{**r, "tokens": r["tokens"] + offset} for r in records if until is None or r["tokens"] <= until]
+    return dict(phase=phase, run_dir=run_dir, offset=offset,
+                train=[r for r in kept if "loss" in r], val=[r for r in kept if "val_mlm" in r or "val_clm" in r])
+
+
+def series(run_dir, history=(), phase=None):
+    """The segments of run_dir, oldest first: one per entry of `history` ({phase, tokens, dir} of the runs it
+    continues, oldest first) and its own last. A missing parent log leaves its segment empty, not its tokens."""
+    segments, offset = [], 0
+    for entry in history:
+        log = parent_log(entry["dir"], run_dir)
+        segments.append(segment(entry["phase"], run_dir_of(entry["dir"]), offset, read_log(log) if log else [],
+                                until=entry["tokens"]))
+        offset += entry["tokens"]
+    log = os.path.join(run_dir, "log.jsonl")
+    records = []
+    if os.path.isfile(log):
+        records = read_log(log)
+    else:
+        say_once(f"warning: {log} is missing: the picture has no curve of {run_dir} itself")
+    phase = phase or next((r["phase"] for r in records if "phase" in r), None)
+    return segments + [segment(phase, os.path.normpath(run_dir), offset, records)]
+
+
+def latest_state(run_dir):
+    """The validated state of run_dir's newest checkpoint: None before the first one, or (said once) when it is
+    damaged, in which case the picture shows the run's own log alone."""
+    try:
+        return rundir.latest_state(run_dir)
+    except InputError as e:
+        say_once(f"warning: {e}; the loss picture shows {run_dir}'s own log alone")
+        return None
+
+
+def run_series(run_dir):
+    """run_dir's log and the logs of the runs it continues (its newest checkpoint's history), on one token
+    axis: a list of segments {phase, run_dir, offset, train, val}, oldest first; each record's tokens count
+    from the start of the first phase."""
+    state = latest_state(run_dir) or {}
+    return series(run_dir, state.get("history", []), state.get("phase"))
+
+
+# -----------------------------------------------------------------------------
+# The pictures: matplotlib's Agg backend through its object interface (no window, no pyplot state).
+
+
+def new_figure(figsize, dpi, layout=None):
+    """An empty figure drawn by Agg, or None (said once) where matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401  (imported first: a missing matplotlib fails here)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        say_once("matplotlib is not installed: no loss picture; pip install matplotlib")
+        return None
+    fig = Figure(figsize=figsize, dpi=dpi, layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save(fig, out_png):
+    """Write through a temporary file and a rename, so a viewer never shows half a picture."""
+    tmp = f"{out_png}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, format="png", dpi=fig.dpi)
+        os.replace(tmp, out_png)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return out_png
+
+
+def plot(ax, segments, part, key, label, **style):
+    """record[key] against tokens, a line per segment (a missing parent leaves a gap, never a bridge)."""
+    for seg in segments:
+        points = [(r["tokens"], r[key]) for r in seg[part] if is_number(r.get(key))]
+        if points:
+            ax.plot(*zip(*points), label=label, **style)
+            label = "_nolegend_"  # one legend entry per series
+
+
+def mark_switches(axes, segments, label, names=False, **style):
+    """A vertical line on every panel where a phase hands off to the next; with names, the phases on the first."""
+    for before, seg in zip(segments, segments[1:]):
+        for ax in axes:
+            ax.axvline(seg["offset"], label=label, **style)
+        label = "_nolegend_"
+        if names:
+            axes[0].text(seg["offset"], 0.98, f" {before['phase']} -> {seg['phase']}", va="top", fontsize="small",
+                         transform=axes[0].get_xaxis_transform())  # x in tokens, y in the panel's height
+
+
+def tokens_axis(ax):
+    from matplotlib.ticker import EngFormatter
+    ax.xaxis.set_major_formatter(EngFormatter())  # 1.25 M, 10 G: tokens at a glance
+    ax.set_xlabel("tokens")
+
+
+def run_name(run_dir):
+    return os.path.basename(os.path.abspath(run_dir))
+
+
+def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
+    """One run's picture, across the phases it continues: train loss (light), validation MLM and CLM losses, and
+    the learning rate below, against tokens. Written to out_png (default run_dir/loss.png); returns its path,
+    or None without matplotlib."""
+    fig = new_figure(figsize, dpi)
+    if fig is None:
+        return None
+    segments = run_series(run_dir)
+    # fixed margins: a constrained layout doubles the cost of a picture redrawn at every checkpoint
+    width, height = figsize  # margins in inches, so a small picture keeps its labels
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, bottom=0.55 / height, top=1 - 0.35 / height,
+                        hspace=0.12)
+    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    plot(loss_ax, segments, "train", "loss", "train loss", color="C0", alpha=0.35, lw=0.8)
+    plot(loss_ax, segments, "val", "val_mlm", "validation MLM loss", color="C1", marker="o", ms=4)
+    plot(loss_ax, segments, "val", "val_clm", "validation CLM loss", color="C2", marker="s", ms=4)
+    plot(lr_ax, segments, "train", "lr", "learning rate", color="C3")
+    mark_switches([loss_ax, lr_ax], segments, "phase switch", names=True, color="k", ls=":", lw=1)
+    loss_ax.set(title=run_name(run_dir), ylabel="loss (nats per token)")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    tokens_axis(lr_ax)
+    for ax in (loss_ax, lr_ax):
+        if ax.get_legend_handles_labels()[0]:  # a run with no record yet has nothing to name
+            ax.legend(loc="upper right", fontsize="small")
+    return save(fig, out_png or os.path.join(run_dir, "loss.png"))
+
+
+PANELS = (("val", "val_mlm", "validation MLM loss"), ("val", "val_clm", "validation CLM loss"),
+          ("train", "loss", "train loss"))
+
+
+def draw_runs(run_dirs, out_png, names=None, figsize=(10, 9), dpi=100):
+    """Several runs on shared axes: validation MLM, validation CLM and train loss against tokens, one colour per
+    run in every panel (line styles change after 10 runs). Returns out_png, or None without matplotlib."""
+    if not names:
+        names = [run_name(d) for d in run_dirs]
+        if len(set(names)) < len(names):  # out/a/clm and out/b/clm: the paths tell them apart
+            names = [os.path.normpath(d) for d in run_dirs]
+    if len(names) != len(run_dirs):
+        raise ValueError(f"{len(names)} names for {len(run_dirs)} runs")
+    fig = new_figure(figsize, dpi, layout="constrained")  # room for the legend beside the panels
+    if fig is None:
+        return None
+    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    switches = False
+    for i, (run_dir, name) in enumerate(zip(run_dirs, names)):
+        segments = run_series(run_dir)
+        colour = dict(color=f"C{i % 10}", ls=("-", "--", "-.")[i // 10 % 3])
+        for ax, (part, key, _) in zip(axes, PANELS):
+            style = dict(marker="o", ms=3) if part == "val" else dict(alpha=0.6, lw=0.8)
+            plot(ax, segments, part, key, name, **colour, **style)
+        mark_switches(axes, segments, None, color=colour["color"], ls=":", lw=1)
+        switches |= len(segments) > 1
+    if switches:
+        axes[0].plot([], [], color="grey", ls=":", label="phase switch (in its run's colour)")
+    for ax, (_, _, title) in zip(axes, PANELS):
+        ax.set_ylabel(f"{title}\n(nats per token)")
+    axes[0].set_title("runs compared: one colour per run in every panel")
+    tokens_axis(axes[-1])
+    legend = {}  # label -> handle, from every panel: a run may have train records and no validation yet
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize="small")
+    return save(fig, out_png)
+
+
+def main(argv=None):
+    parser = Parser(prog="python -m machinery.curves", description=__doc__.split("\n", 2)[2])
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories written by train.py")
+    parser.add_argument("--out", help="the PNG to write; None: RUN/loss.png for one run (several runs need it)")
+    parser.add_argument("--names", help="comma-separated legend names, one per run; None: the directory names")
+    args = parser.parse_args(argv)
+    for run_dir in args.runs:
+        if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
+            raise InputError(f"{run_dir}: no log.jsonl there (expected a run directory written by train.py)")
+    names = args.names.split(",") if args.names else None
+    if names is not None and len(names) != len(args.runs):
+        raise InputError(f"--names={args.names}: {len(names)} names for {len(args.runs)} runs")
+    if len(args.runs) == 1:
+        if names:
+            raise InputError("--names names the runs of a comparison; one run's picture is titled by its directory")
+        path = draw_run(args.runs[0], args.out)
+    elif not args.out:
+        raise InputError("--out: several runs are drawn into one picture; name the PNG to write")
+    else:
+        path = draw_runs(args.runs, args.out, names)
+    if path is None:
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,238 @@
+"""machinery/curves.py: log.jsonl series across phase hand-offs (offsets to the token, damaged logs, missing
+parents) and the loss pictures (a PNG of the requested pixel size, one colour per run, no matplotlib)."""
+import json
+import os
+import sys
+
+import pytest
+
+from machinery import curves, rundir
+from machinery.cli import InputError
+
+
+def train(phase, step, tokens):
+    return dict(phase=phase, step=step, tokens=tokens, loss=10.0 - step / 10, lr=1e-3, grad_norm=1.0, ms=5.0,
+                tokens_per_s=1000, mfu=None)
+
+
+def val(phase, step, tokens):
+    return dict(phase=phase, step=step, tokens=tokens, val_mlm=3.0 + step / 100, val_clm=4.0 + step / 100)
+
+
+def phase_log(phase, steps, tokens_per_step, eval_every=5):
+    """Train records for steps 1..steps, and a validation record every eval_every steps, as train.py writes them."""
+    records = []
+    for step in range(1, steps + 1):
+        records.append(train(phase, step, step * tokens_per_step))
+        if step % eval_every == 0:
+            records.append(val(phase, step, step * tokens_per_step))
+    return records
+
+
+def make_run(path, records, state=None, step=10, tail=""):
+    """A fake run directory: run.json, log.jsonl (with `tail` appended raw) and a checkpoint's state.json."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "run.json"), "w") as f:
+        json.dump({"written_by": "train.py", "run_id": "x"}, f)
+    with open(os.path.join(path, "log.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write(tail)
+    if state is not None:
+        checkpoint = os.path.join(path, "checkpoints", f"step-{step:08d}")
+        os.makedirs(checkpoint, exist_ok=True)
+        with open(os.path.join(checkpoint, "state.json"), "w") as f:
+            json.dump(state, f)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def fresh_messages(monkeypatch):
+    """Each test sees the once-per-process messages afresh."""
+    monkeypatch.setattr(curves, "_said", set())
+
+
+def tokens(records):
+    return [r["tokens"] for r in records]
+
+
+def test_two_phases_share_one_token_axis(tmp_path):
+    # the parent trained on after the hand-off (steps 11-12): those records are not the child's past
+    parent = make_run(tmp_path / "clm25", phase_log("clm", 12, 100))
+    child = make_run(tmp_path / "clm25-mlm", phase_log("mlm", 5, 64))
+    history = [dict(phase="clm", tokens=1000, dir=os.path.join(parent, "checkpoints", "step-00000010"))]
+    first, second = curves.series(child, history)
+    assert (first["phase"], first["offset"], second["phase"], second["offset"]) == ("clm", 0, "mlm", 1000)
+    assert first["run_dir"] == os.path.normpath(parent)
+    assert tokens(first["train"]) == [100 * s for s in range(1, 11)]
+    assert tokens(first["val"]) == [500, 1000]
+    assert tokens(second["train"]) == [1000 + 64 * s for s in range(1, 6)]
+    assert tokens(second["val"]) == [1320]
+    assert [r["loss"] for r in second["train"]] == [r["loss"] for r in phase_log("mlm", 5, 64) if "loss" in r]
+
+
+def test_offsets_add_up_over_a_chain_recorded_from_another_directory(tmp_path, monkeypatch):
+    # dirs were recorded relative to where train.py ran; we read from elsewhere: they are found beside the run.
+    # The oldest entry names a run directory (older runs), the next a checkpoint folder.
+    out = tmp_path / "out"
+    make_run(out / "start", phase_log("mlm", 4, 10))
+    make_run(out / "clm", phase_log("clm", 3, 7))
+    child = make_run(out / "clm-decay", phase_log("decay", 2, 5))
+    history = [dict(phase="mlm", tokens=40, dir="out/start"),
+               dict(phase="clm", tokens=21, dir="out/clm/checkpoints/step-00000003")]
+    os.makedirs(tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    segments = curves.series(child, history)
+    assert [s["offset"] for s in segments] == [0, 40, 61]
+    assert [tokens(s["train"]) for s in segments] == [[10, 20, 30, 40], [47, 54, 61], [66, 71]]
+
+
+@pytest.mark.parametrize("folder, run_dir", [
+    ("out/clm/checkpoints/step-00000050", "out/clm"),
+    ("/abs/out/clm/checkpoints/step-00000050/", "/abs/out/clm"),
+    ("out/clm", "out/clm"),
+    ("out/clm/", "out/clm")])
+def test_run_dir_of_a_history_entry(folder, run_dir):
+    assert curves.run_dir_of(folder) == os.path.normpath(run_dir)
+
+
+def test_damaged_log_lines_are_skipped_with_one_warning_each_kind(tmp_path, capsys):
+    good = phase_log("mlm", 3, 10)
+    run = make_run(tmp_path / "run", good[:2], tail='not json\n[1, 2]\n{"step": "x", "tokens": 1}\n'
+                   + json.dumps(good[2]) + "\n" + '{"phase": "mlm", "st')
+    records = curves.read_log(os.path.join(run, "log.jsonl"))
+    assert records == good
+    cut, skipped = capsys.readouterr().err.splitlines()
+    assert "line 7 is cut short" in cut
+    assert "skipped 3 line(s) that are not log records (line 3 first)" in skipped
+
+
+def test_a_last_line_without_newline_that_parses_is_kept(tmp_path, capsys):
+    good = phase_log("mlm", 2, 10)
+    run = make_run(tmp_path / "run", good[:1], tail=json.dumps(good[1]))
+    assert curves.read_log(os.path.join(run, "log.jsonl")) == good
+    assert capsys.readouterr().err == ""
+
+
+def test_missing_parent_warns_once_and_keeps_its_tokens(tmp_path, capsys):
+    child = make_run(tmp_path / "mlm", phase_log("mlm", 2, 8))
+    history = [dict(phase="clm", tokens=500, dir=str(tmp_path / "gone" / "checkpoints" / "step-00000005"))]
+    for _ in range(3):  # the trainer draws at every checkpoint: the warning is said once
+        first, second = curves.series(child, history)
+    assert (first["train"], first["val"], second["offset"]) == ([], [], 500)
+    assert tokens(second["train"]) == [508, 516]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "gone" in err[0] and "log.jsonl is not there" in err[0]
+
+
+RUN_ID = "0123456789abcdef0123456789abcdef"
+
+
+def checkpoint(run, step, phase, phase_tokens, history):
+    """A checkpoint folder of run as train.py leaves it: its marker and a state.json with every field (sizes
+    of no other file listed, so none needs to exist)."""
+    with open(os.path.join(run, "run.json"), "w") as f:
+        json.dump({"written_by": "train.py", "run_id": RUN_ID}, f)
+    folder = os.path.join(run, "checkpoints", f"step-{step:08d}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, rundir.MARKER), "w") as f:
+        f.write(RUN_ID)
+    total = sum(h["tokens"] for h in history) + phase_tokens
+    state = dict(phase=phase, step=step, phase_step=step, phase_tokens=phase_tokens, total_tokens=total,
+                 schedule_tokens_done=total, loader={"sequence": 0}, rng=[], config={}, code={}, tokenizer="bytes",
+                 history=history, files={})
+    with open(os.path.join(folder, rundir.STATE), "w") as f:
+        json.dump(state, f)
+    return folder
+
+
+def test_run_series_takes_the_history_of_the_newest_checkpoint(tmp_path, capsys):
+    parent = make_run(tmp_path / "clm", phase_log("clm", 10, 100))
+    entry = dict(phase="clm", tokens=1000, dir=checkpoint(parent, 10, "clm", 1000, []))
+    child = make_run(tmp_path / "mlm", phase_log("mlm", 10, 50))
+    checkpoint(child, 5, "mlm", 250, [dict(entry, tokens=600)])  # an older one: its history is not used
+    checkpoint(child, 10, "mlm", 500, [entry])
+    segments = curves.run_series(child)
+    assert [(s["phase"], s["offset"]) for s in segments] == [("clm", 0), ("mlm", 1000)]
+    assert tokens(segments[0]["train"])[-1] == 1000 and tokens(segments[1]["train"])[-1] == 1500
+    assert capsys.readouterr().err == ""
+
+
+def test_run_series_without_a_checkpoint_or_with_a_damaged_one_is_its_own_log(tmp_path, capsys):
+    run = make_run(tmp_path / "run", phase_log("clm", 3, 10), state={"phase": "clm"})  # run_id "x": no run
+    own = [("clm", 0, [10, 20, 30])]
+    assert [(s["phase"], s["offset"], tokens(s["train"])) for s in curves.run_series(run)] == own
+    with open(os.path.join(checkpoint(run, 3, "clm", 30, []), rundir.STATE), "w") as f:
+        f.write("{}")  # a run of ours whose newest state is damaged
+    for _ in range(2):
+        assert [(s["phase"], s["offset"], tokens(s["train"])) for s in curves.run_series(run)] == own
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith("warning: ") and "own log alone" in warning
+
+
+def png_shape(path):
+    image = pytest.importorskip("matplotlib.image")
+    return image.imread(path).shape[:2]  # (height, width)
+
+
+def test_draw_run_writes_a_png_of_the_requested_size(tmp_path):
+    pytest.importorskip("matplotlib")
+    parent = make_run(tmp_path / "clm", phase_log("clm", 10, 100))
+    entry = dict(phase="clm", tokens=1000, dir=os.path.join(parent, "checkpoints", "step-00000010"))
+    child = make_run(tmp_path / "mlm", phase_log("mlm", 10, 50), state=dict(phase="mlm", history=[entry]))
+    path = curves.draw_run(child, figsize=(6, 4), dpi=50)
+    assert path == os.path.join(child, "loss.png") and os.path.getsize(path) > 0
+    assert png_shape(path) == (200, 300)
+    assert sorted(os.listdir(child)) == ["checkpoints", "log.jsonl", "loss.png", "run.json"]  # no temporary left
+    empty = make_run(tmp_path / "new", [])  # the first save may come before any validation: still a picture
+    assert png_shape(curves.draw_run(empty, str(tmp_path / "empty.png"), figsize=(4, 3), dpi=40)) == (120, 160)
+
+
+def test_draw_runs_one_colour_per_run_in_every_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    # run a continues a parent that never validated: a different number of lines per panel, so colours taken
+    # from matplotlib's cycle would differ between panels
+    parent = make_run(tmp_path / "start", phase_log("mlm", 10, 100, eval_every=100))
+    entry = dict(phase="mlm", tokens=1000, dir=checkpoint(parent, 10, "mlm", 1000, []))
+    runs = [make_run(tmp_path / "a", phase_log("clm", 10, 100)), make_run(tmp_path / "b", phase_log("mlm", 10, 100))]
+    checkpoint(runs[0], 10, "clm", 1000, [entry])
+    figures = []
+    save = curves.save
+    monkeypatch.setattr(curves, "save", lambda fig, out: (figures.append(fig), save(fig, out))[1])
+    out = str(tmp_path / "cmp.png")
+    assert curves.draw_runs(runs, out, names=["CLM", "MLM"], figsize=(7, 5), dpi=40) == out
+    assert os.path.getsize(out) > 0 and png_shape(out) == (200, 280)
+    (fig,) = figures
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert set(colours) >= {"MLM", "CLM"}
+    assert len(colours["MLM"]) == len(colours["CLM"]) == 1 and colours["MLM"] != colours["CLM"]
+    assert [len([ln for ln in ax.get_lines() if ln.get_label() in ("MLM", "CLM")]) for ax in fig.axes] == [2, 2, 2]
+    assert {t.get_text() for t in fig.legends[0].get_texts()} == {"MLM", "CLM", "phase switch (in its run's colour)"}
+
+
+def test_without_matplotlib_it_says_so_once_and_draws_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    run = make_run(tmp_path / "run", phase_log("mlm", 3, 10))
+    assert curves.draw_run(run) is None
+    assert curves.draw_run(run) is None
+    assert curves.draw_runs([run, run], str(tmp_path / "cmp.png"), names=["x", "y"]) is None
+    captured = capsys.readouterr()
+    assert captured.err == "matplotlib is not installed: no loss picture; pip install matplotlib\n"
+    assert captured.out == ""
+    assert not os.path.exists(os.path.join(run, "loss.png")) and not os.path.exists(tmp_path / "cmp.png")
+
+
+def test_command_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a = make_run(tmp_path / "a", phase_log("mlm", 3, 10))
+    b = make_run(tmp_path / "b", phase_log("clm", 3, 10))
+    assert curves.main([a]) == 0 and os.path.isfile(os.path.join(a, "loss.png"))
+    out = str(tmp_path / "cmp.png")
+    assert curves.main([a, b, f"--out={out}", "--names=MLM,CLM"]) == 0 and os.path.isfile(out)
+    assert capsys.readouterr().out.split() == [os.path.join(a, "loss.png"), out]
+    for argv, message in [([a, b], "--out"), ([a, b, f"--out={out}", "--names=x"], "1 names for 2 runs"),
+                          ([str(tmp_path)], "no log.jsonl")]:
+        with pytest.raises(InputError, match=message):
+            curves.main(argv)
