@@ -12,7 +12,7 @@ flash-attn's documented semantics (flash_attn_interface.py docstrings, flash-att
 - dropout_p: dropout on the attention probabilities.
 
 It accepts fp32 as well as bf16/fp16, so the flash backend can be compared with SDPA at fp32 precision on a
-CPU (the real kernel only takes fp16/bf16 on CUDA; that check stays in model.py for CUDA tensors)."""
+CPU (the real kernel only takes fp16/bf16 on CUDA; machinery/kernels.py keeps that check for CUDA tensors)."""
 import torch
 import torch.nn.functional as F
 

@@ -7,6 +7,7 @@ import torch
 import fake_flash_attn
 import model as M
 from conftest import tiny_model
+from machinery import kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -24,8 +25,8 @@ def padded_batch(B=3, T=200, lengths=(200, 150, 37), seed=1):
 @pytest.fixture
 def fake_flash(monkeypatch):
     """The model's flash backend, running the double on a CPU."""
-    monkeypatch.setattr(M, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
-    monkeypatch.setattr(M.Flash, "available", staticmethod(lambda device: True))
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
+    monkeypatch.setattr(kernels.Flash, "available", staticmethod(lambda device: True))
     fake_flash_attn.calls.clear()
     return fake_flash_attn.calls
 
@@ -85,7 +86,7 @@ def test_flex_forward_matches_sdpa_on_cpu(causal, with_docs, with_padding):
     assert (out["flex"] - out["sdpa"])[real].abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("kind", [M.Flex, M.SDPA])
+@pytest.mark.parametrize("kind", [kernels.Flex, kernels.SDPA])
 def test_masks_are_built_without_host_syncs(kind):
     """On the meta device every data-dependent host sync (.item(), nonzero, boolean indexing) raises: masks that
     build there read no values, so on a GPU they never wait for the device."""

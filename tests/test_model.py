@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
+from machinery import kernels
 from machinery.cli import InputError
-from model import IGNORE_INDEX, SDPA, ModernBERT, ModernBERTConfig, linear_cross_entropy
+from machinery.kernels import SDPA, linear_cross_entropy
+from model import IGNORE_INDEX, ModernBERT, ModernBERTConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -360,7 +362,7 @@ def test_backends_agree_in_bf16_on_gpu():
     ids, mask = padded_batch(256, T=512, lengths=(512, 300, 100))
     ids, mask = ids.cuda(), mask.cuda()
     outs = {}
-    for backend in ["sdpa", "flex"] + (["flash"] if __import__("model").flash_attn_varlen_func else []):
+    for backend in ["sdpa", "flex"] + (["flash"] if kernels.flash_attn_varlen_func else []):
         model.backend = backend
         for causal in (False, True):
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
@@ -380,7 +382,7 @@ def test_hub_id_without_network_is_a_clear_error(monkeypatch):
 @pytest.mark.slow
 def test_compiled_loss_chunk_matches_eager():
     """On CUDA the loss chunk runs compiled (one fused pass); inductor's CPU backend checks the same graph here."""
-    from model import _chunk_loss_and_grad
+    from machinery.kernels import _chunk_loss_and_grad
     compiled = torch.compile(_chunk_loss_and_grad, dynamic=True)
     g = torch.Generator().manual_seed(0)
     for rows in (37, 64):  # dynamic shapes: the last chunk of a batch is shorter

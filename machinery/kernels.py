@@ -1,0 +1,279 @@
+"""The attention backends (flash-attn varlen, FlexAttention, SDPA) behind one small interface, and the fused
+linear cross-entropy: how model.py's attention and loss run fast on a GPU. A reader of the recipe may skip
+this file: SDPA and F.cross_entropy compute the same numbers."""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from machinery.cli import InputError
+
+try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained with
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+try:  # PyTorch >= 2.5; block-sparse masks make the sliding window cheap on GPU
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:
+    create_block_mask = flex_attention = None
+
+IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and transformers
+
+# -----------------------------------------------------------------------------
+# Attention backends. BACKENDS, at the end of this section, is the one table of their names. One is built
+# per forward from the batch's layout and shared by every layer:
+#   positions  (P,) the position of each row the blocks see, for RoPE
+#   unpad(x)   (B, T, d) -> the layout the blocks run in
+#   attend(q, k, v, local)  q, k, v (..., H, D) in that layout -> (..., H, D)
+#   repad(x)   the blocks' layout -> (B, T, d), padding rows zero
+# token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart
+# when given (None: attention crosses document boundaries, as in ModernBERT's pretraining).
+
+
+def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
+    """keep(b, h, q, k) -> bool: may query q see key k. Written once for dense masks (b=None: every row) and
+    for FlexAttention (scalar indices)."""
+
+    def keep(b, h, q, k):
+        ok = torch.ones_like(q == k)
+        if causal:
+            ok = ok & (k <= q)
+        if local:
+            ok = ok & ((q - k).abs() <= window)
+        if token_mask is not None:
+            ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
+        if doc_ids is not None:
+            ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
+        # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
+        # into later layers through 0 * NaN); real tokens always see themselves anyway.
+        return ok | (q == k)
+
+    return keep
+
+
+class SDPA:
+    """PyTorch scaled_dot_product_attention with dense boolean masks: runs anywhere, the reference."""
+    description = ("PyTorch scaled_dot_product_attention with dense masks "
+                   "(flash-attn and FlexAttention are used on CUDA)")
+    needs = "nothing"
+
+    @staticmethod
+    def available(device):
+        return True
+
+    auto = available  # whether "auto" may pick it on this device
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
+        if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
+            self.masks = {local: cached_mask(type(self), T, device, causal, window, local) for local in (False, True)}
+        else:
+            self.masks = {local: self.build_mask(T, device, causal, window, local, token_mask, doc_ids)
+                          for local in (False, True)}
+
+    @staticmethod
+    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+        """(B or 1, 1, T, T) bool, or None where SDPA's own (causal) kernel needs no mask."""
+        if token_mask is None and doc_ids is None and not local:
+            return None
+        i = torch.arange(T, device=device)
+        keep = mask_rule(causal, window, local, token_mask, doc_ids)
+        return keep(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
+
+    def unpad(self, x):
+        return x
+
+    def repad(self, x):
+        return x
+
+    def attend(self, q, k, v, local):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        mask = self.masks[local]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and self.causal,
+                                           scale=q.shape[-1] ** -0.5)
+        return y.transpose(1, 2)  # (B, T, H, D)
+
+
+class Flex(SDPA):
+    """FlexAttention with block-sparse masks: skips the blocks outside the sliding window. The masks are
+    built from index arithmetic only (no host sync), compiled on CUDA."""
+    description = "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)"
+    needs = "PyTorch >= 2.5"
+
+    @staticmethod
+    def available(device):
+        return flex_attention is not None
+
+    @staticmethod
+    def auto(device):  # on a CPU it compiles slowly and runs no faster than SDPA
+        return device.type == "cuda" and Flex.available(device)
+
+    @staticmethod
+    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+        per_row = token_mask if token_mask is not None else doc_ids
+        return create_block_mask(mask_rule(causal, window, local, token_mask, doc_ids),
+                                 None if per_row is None else per_row.shape[0], None, T, T, device=device,
+                                 _compile=device.type == "cuda")
+
+    def attend(self, q, k, v, local):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        # eager on a CPU, where it serves the tests only (it has no CPU backward)
+        attend = compiled(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
+
+
+# shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)
+cached_mask = functools.lru_cache(maxsize=32)(lambda kind, *args: kind.build_mask(*args))
+
+
+@functools.cache
+def compiled(fn, dynamic):
+    """torch.compile(fn), made on first use: importing the compiler costs ~2 s, which CPU runs never need.
+    Compiled FlexAttention is the point of it (eager FlexAttention materialises the whole score matrix)."""
+    return torch.compile(fn, dynamic=dynamic)
+
+
+class Flash:
+    """flash-attn's varlen kernel on the unpadded layout: the real tokens of all sequences concatenated,
+    (N, d), sequences delimited by cu_seqlens; padding is never computed. Packed batches without padding
+    or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids one more."""
+    description = "flash-attn varlen (unpadded: padding tokens are never computed)"
+    needs = "flash-attn and CUDA"
+
+    @staticmethod
+    def available(device):
+        return flash_attn_varlen_func is not None and device.type == "cuda"
+
+    auto = available
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        self.shape, self.causal, self.window = (B, T), causal, window
+        self.keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)  # (N,)
+        self.positions = self.unpad(torch.arange(T, device=device).expand(B, T))
+        if doc_ids is None:
+            lengths = torch.full((B,), T, device=device) if token_mask is None else token_mask.sum(1)
+        else:  # each document is its own varlen sequence
+            new_doc = torch.ones(B, T, dtype=torch.bool, device=device)
+            new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            starts = self.unpad(new_doc).nonzero().squeeze(1)
+            lengths = torch.diff(starts, append=starts.new_tensor([self.positions.shape[0]]))
+        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        # An upper bound is enough (it sizes the kernel's grid) and costs no sync; with documents the backward's
+        # buffers grow as n_documents x max_seqlen, so take the exact one (the nonzero above synced already).
+        self.max_seqlen = T if doc_ids is None else int(lengths.max())
+
+    def unpad(self, x):
+        x = x.flatten(0, 1)  # (B*T, ...)
+        return x if self.keep is None else x[self.keep]
+
+    def repad(self, x):
+        B, T = self.shape
+        if self.keep is None:
+            return x.view(B, T, -1)
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.keep, x).view(B, T, -1)
+
+    def attend(self, q, k, v, local):
+        if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+            raise InputError("flash-attn computes in bf16/fp16: run under torch.autocast, or pick another "
+                             "attention backend")
+        w = self.window if local else -1  # keys i - w ..= i + w; -1: unbounded (flash-attn's convention)
+        return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+                                      softmax_scale=q.shape[-1] ** -0.5, causal=self.causal,
+                                      window_size=(w, 0 if self.causal and local else w))
+
+
+BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA}  # "auto" picks the first available, in this order
+BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
+
+
+def pick_backend(device: torch.device, requested: str = "auto") -> str:
+    """The backend to run on `device`: `requested` if this device has it; for auto, the first in BACKENDS
+    that suits the device."""
+    if requested == "auto":
+        return next(name for name, kind in BACKENDS.items() if kind.auto(device))
+    if requested not in BACKENDS:
+        raise InputError(f"unknown attention backend {requested!r}; expected auto, {', '.join(BACKENDS)}")
+    if not BACKENDS[requested].available(device):
+        raise InputError(f"attention backend {requested!r} is not available on {device.type}: "
+                         f"it needs {BACKENDS[requested].needs}")
+    return requested
+
+
+# -----------------------------------------------------------------------------
+# Fused linear cross-entropy: the decoder and the loss in row chunks, so that the (rows, vocab) logits
+# never exist at once in fp32. The loss is a scalar, so d loss / d logits is known in the forward:
+# gradients are formed chunk by chunk there and only scaled by the incoming gradient in backward.
+
+
+def linear_cross_entropy(h, weight, bias, labels, chunk=None):
+    """Equals F.cross_entropy(h @ weight.T + bias, labels, ignore_index=-100), value and gradients.
+    chunk: rows per (rows, vocab) logits block (default 4096 on CUDA, 1024 on a CPU, where the block is kept)."""
+    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk or (4096 if h.is_cuda else 1024), with_grad)
+
+
+def _chunk_loss_and_grad(logits, target, with_grad):
+    """A chunk's per-row loss and d loss / d logits = softmax - onehot (unscaled), in the logits' dtype.
+    The math is fp32 (at least) and in place: fp32 logits are overwritten by the softmax. On CUDA it is
+    compiled into one fused pass over the (c, V) chunk."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    picked = z.gather(1, target[:, None])  # (c, 1), read before z is overwritten
+    m = z.amax(-1, keepdim=True)
+    e = z.sub_(m).exp_()  # in place: a fresh (c, V) block costs a CPU more in page faults than the math
+    total = e.sum(-1, keepdim=True)
+    loss = (m + total.log() - picked).squeeze(1)  # logsumexp - the target's logit
+    if not with_grad:
+        return loss, None
+    g = e.div_(total)  # softmax
+    g.scatter_add_(1, target[:, None], -torch.ones_like(picked))
+    return loss, g.to(logits.dtype)
+
+
+_cpu_logits = {}  # dtype -> the (rows, vocab) block reused by every chunk and step on a CPU
+
+
+def _logits(h, weight, bias):
+    """h @ weight.T + bias. On a CPU into a kept block: allocating it anew (fresh pages from the OS) each time
+    took longer than the matmul (CUDA's caching allocator reuses memory by itself)."""
+    if h.is_cuda or torch.is_autocast_enabled(h.device.type):
+        return F.linear(h, weight, bias)
+    n = h.shape[0] * weight.shape[0]
+    if _cpu_logits.get(h.dtype, torch.empty(0)).numel() < n:
+        _cpu_logits[h.dtype] = torch.empty(n, dtype=h.dtype)
+    return torch.addmm(bias, h, weight.t(), out=_cpu_logits[h.dtype][:n].view(h.shape[0], -1))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk, with_grad):
+        n = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync
+        step = compiled(_chunk_loss_and_grad, dynamic=True) if h.is_cuda else _chunk_loss_and_grad
+        loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
+        grad_h = torch.empty_like(h) if with_grad else None
+        grad_w = grad_b = None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 chunks add up in fp32
+        for i in range(0, h.shape[0], chunk):
+            hc, yc = h[i:i + chunk], labels[i:i + chunk]
+            logits = _logits(hc, weight, bias)  # (c, V), bf16 under autocast: only a chunk ever exists
+            valid = (yc != IGNORE_INDEX)[:, None]  # (c, 1)
+            chunk_loss, g = step(logits, yc.clamp(min=0), with_grad)
+            loss += (chunk_loss * valid.squeeze(1)).sum()
+            if with_grad:  # zero the ignored rows on the (c, d) side, not in the (c, V) gradient: a pass fewer
+                hc = hc.to(g.dtype) * valid
+                grad_h[i:i + chunk] = (g @ weight.to(g.dtype)) * valid
+                gw, gb = g.t() @ hc, g.t() @ valid.to(g.dtype).squeeze(1)
+                grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
+                grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
+        if with_grad:  # the mean's 1/n applied once, in fp32 or wider (1/n is inexact in bf16)
+            ctx.dtypes = weight.dtype, bias.dtype
+            ctx.save_for_backward(grad_h.div_(n), grad_w.div_(n), grad_b.div_(n))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        # in place: these weight-sized tensors are used once, and fresh ones cost page faults on a CPU
+        if getattr(ctx, "used", False):
+            raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported")
+        ctx.used = True
+        grad_h, grad_w, grad_b = (t.mul_(grad) for t in ctx.saved_tensors)
+        return grad_h, grad_w.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None
