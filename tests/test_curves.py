@@ -128,18 +128,21 @@ RUN_ID = "0123456789abcdef0123456789abcdef"
 
 
 def checkpoint(run, step, phase, phase_tokens, history):
-    """A checkpoint folder of run as train.py leaves it: its marker and a state.json with every field (sizes
-    of no other file listed, so none needs to exist)."""
+    """A checkpoint folder of run as train.py leaves it: its marker, a state.json with every field, and the
+    other files it lists (empty: only their sizes are read)."""
     with open(os.path.join(run, "run.json"), "w") as f:
         json.dump({"written_by": "train.py", "run_id": RUN_ID}, f)
     folder = os.path.join(run, "checkpoints", f"step-{step:08d}")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, rundir.MARKER), "w") as f:
         f.write(RUN_ID)
+    files = [name for name in rundir.CHECKPOINT_FILES if name != rundir.STATE]
+    for name in files:
+        open(os.path.join(folder, name), "w").close()
     total = sum(h["tokens"] for h in history) + phase_tokens
     state = dict(phase=phase, step=step, phase_step=step, phase_tokens=phase_tokens, total_tokens=total,
                  schedule_tokens_done=total, loader={"sequence": 0}, rng=[], config={}, code={}, tokenizer="bytes",
-                 history=history, files={})
+                 history=history, files={name: 0 for name in files})
     with open(os.path.join(folder, rundir.STATE), "w") as f:
         json.dump(state, f)
     return folder
