@@ -49,6 +49,9 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
 # A fresh run refuses a folder holding any of these: it would overwrite or misread them. state.json at the
 # top level is the layout of an older train.py.
 OUTPUTS = ("checkpoints", "log.jsonl", "loss.png", "state.json", *CHECKPOINT_FILES[:-1])
+# The names a save gives: step-N, step-N-<run_id> (beside someone else's step-N), .tmp-step-N-<pid> while
+# it writes, .tmp-step-N-<pid>-replaced for the earlier step-N of ours it replaces.
+FOLDER = re.compile(r"(\.tmp-)?step-(?P<step>\d{8,})(-[0-9a-f]+)?(-replaced)?")
 MAX_INT = 2 ** 62  # counters are far below it; a larger value is a corrupt or edited file
 
 
@@ -95,7 +98,7 @@ class RunDir:
             raise InputError(f"{path}: another train.py created a run there just now; choose another --out_dir") \
                 from None
         except OSError as e:
-            raise InputError(f"{path}: cannot create the run directory there ({e.strerror or e})") from None
+            raise InputError(f"{path}: cannot write a run there ({e.strerror or e})") from None
         finally:
             _remove_file(tmp)
         return cls(path, run_id)
@@ -135,11 +138,16 @@ class RunDir:
             return False
 
     def _folders(self):
-        """Every folder of this run under checkpoints/, whatever its name."""
+        """This run's folders under checkpoints/, newest first: a name a save gives and our marker inside (a
+        folder the user renamed, or copied from another run, is not ours)."""
         if not os.path.isdir(self.checkpoints):
             return []
-        folders = (os.path.join(self.checkpoints, name) for name in sorted(os.listdir(self.checkpoints)))
-        return [folder for folder in folders if self._ours(folder)]
+        found = []
+        for name in os.listdir(self.checkpoints):
+            match = FOLDER.fullmatch(name)
+            if match and self._ours(os.path.join(self.checkpoints, name)):
+                found.append((int(match["step"]), _recency(name), os.path.join(self.checkpoints, name)))
+        return [folder for *_, folder in sorted(found, reverse=True)]
 
     # ---- the lock -------------------------------------------------------------------------------------------
 
@@ -181,21 +189,24 @@ class RunDir:
         """The validated state.json of this run's newest complete checkpoint, with "dir" = its folder; None when
         there is none. A folder without state.json is a save or a prune that was cut short and is skipped; a
         state.json that fails the schema, or files whose sizes differ from those it lists, are an InputError."""
-        found = []
         for folder in self._folders():
             state = self._read(folder, phases, fields)
             if state is not None:
-                found.append((state["phase_step"], _recency(folder), folder, state))
-        if not found:
-            return None
-        *_, folder, state = max(found)
-        return {**state, "dir": folder}
+                return {**state, "dir": folder}
+        return None
 
     def _read(self, folder, phases=None, fields=None):
         path = os.path.join(folder, STATE)
         if not os.path.isfile(path):
             return None
         state = validate_state(read_json(path, "a checkpoint's state"), path, phases, fields)
+        named = int(FOLDER.fullmatch(os.path.basename(folder))["step"])
+        if state["phase_step"] != named:
+            raise InputError(f"{path}: phase_step: {state['phase_step']}, but the checkpoint was saved as step "
+                             f"{named}")
+        missing = [name for name in ("config.json", "model.safetensors", OPTIMIZER) if name not in state["files"]]
+        if missing:
+            raise InputError(f"{path}: files: {missing[0]} is not listed")
         wrong = [f"{name} has {_size(os.path.join(folder, name))} bytes, {size} expected"
                  for name, size in state["files"].items() if _size(os.path.join(folder, name)) != size]
         if wrong:
@@ -282,16 +293,16 @@ class RunDir:
         return target
 
     def _prune(self, keep, newest):
-        """Remove this run's folders but `newest` and the keep - 1 next newest complete ones."""
-        complete = []
+        """Remove this run's folders but `newest` and the keep - 1 next newest complete ones: folders of
+        earlier, killed saves and damaged checkpoints go too."""
+        kept = [newest]
         for folder in self._folders():
-            try:
-                state = self._read(folder)
-            except InputError:  # a damaged older checkpoint of ours: pruned like an incomplete one
-                state = None
-            if state is not None and folder != newest and not os.path.basename(folder).startswith("."):
-                complete.append((state["phase_step"], folder))
-        kept = {newest, *(folder for _, folder in sorted(complete, reverse=True)[:keep - 1])}
+            if len(kept) < keep and folder != newest and not os.path.basename(folder).startswith("."):
+                try:
+                    if self._read(folder) is not None:
+                        kept.append(folder)
+                except InputError:
+                    pass
         for folder in self._folders():
             if folder not in kept:
                 self._remove(folder)
@@ -325,10 +336,9 @@ def latest_state(path, phases=None, fields=None):
     return RunDir.open(path).latest_state(phases, fields) if RunDir.is_run(path) else None
 
 
-def _recency(folder):
+def _recency(name):
     """Among checkpoints of one step (a step saved again), the newer write: a save's complete folder not yet
     renamed (the top-level files may be its already), then the one in place, then the one it replaces."""
-    name = os.path.basename(folder)
     return 0 if name.endswith("-replaced") else 2 if name.startswith(".") else 1
 
 
@@ -439,6 +449,9 @@ def _config(value, fields):
         if key not in fields:
             raise _Bad(f"config.{key}", f"not a setting of train.py (known: {', '.join(sorted(fields))})")
         _setting(item, f"config.{key}", fields[key])
+    for key in fields:
+        if key not in value:
+            raise _Bad(f"config.{key}", "missing")
     return value
 
 
@@ -521,8 +534,10 @@ def validate_state(state, source, phases=None, fields=None):
                 _config(value, fields)
             else:
                 STATE_FIELDS[key](value, key)
-        if phases is not None and state["phase"] not in phases:
-            raise _Bad("phase", f"{state['phase']!r} is not a phase (known: {', '.join(phases)})")
+        for field, phase in [("phase", state["phase"]), *((f"history[{i}].phase", h["phase"])
+                                                           for i, h in enumerate(state["history"]))]:
+            if phases is not None and phase not in phases:
+                raise _Bad(field, f"{phase!r} is not a phase (known: {', '.join(phases)})")
         if state["step"] < state["phase_step"]:
             raise _Bad("step", f"{state['step']} is less than phase_step {state['phase_step']}")
         if state["total_tokens"] < state["phase_tokens"]:

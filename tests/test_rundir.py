@@ -2,6 +2,7 @@
 real full disk, and every field of state.json is checked before it is trusted."""
 import base64
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -25,8 +26,9 @@ FIELDS = {"lr": "float", "seed": "int", "recipe": "str", "compile": "bool"}
 TOP_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+@functools.lru_cache(maxsize=None)
 def small_model(step):
-    """A one-block model whose weights say which step saved them."""
+    """A one-block model whose weights say which step saved them (built once per step; a save only reads it)."""
     model = tiny_model(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=2)
     with torch.no_grad():
         for p in model.parameters():
@@ -137,6 +139,16 @@ def test_a_foreign_folder_at_the_name_of_our_step_is_left_alone(tmp_path):
     check_checkpoint(run.latest_state(), 2)
 
 
+def test_a_checkpoint_the_user_renamed_is_theirs(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    os.rename(save(run, 5), run.checkpoints + "/best")  # kept aside by hand: never pruned, never resumed from
+    before = tree(run.checkpoints + "/best")
+    assert run.latest_state() is None
+    for step in (1, 2):
+        save(run, step, keep=1)
+    assert tree(run.checkpoints + "/best") == before and run.latest_state()["phase_step"] == 2
+
+
 def test_user_files_inside_a_pruned_checkpoint_survive(tmp_path):
     run = RunDir.create(str(tmp_path / "run"))
     first = save(run, 1)
@@ -193,7 +205,7 @@ def with_run(path):
     (lambda p: os.makedirs(p) or open(p + "/state.json", "w").close(), "holds state.json"),
     (lambda p: os.makedirs(p) or open(p + "/run.json", "w").write('{"written_by": "x"}'), "not written by train"),
     (lambda p: os.makedirs(p) or open(p + "/run.json", "w").write("{"), "not valid JSON"),
-    (lambda p: os.rmdir(os.path.dirname(p)) or open(os.path.dirname(p), "w").close(), "cannot create"),
+    (lambda p: os.rmdir(os.path.dirname(p)) or open(os.path.dirname(p), "w").close(), "cannot write a run"),
 ])
 def test_create_refuses(tmp_path, prepare, match):
     (tmp_path / "parent").mkdir()
@@ -265,8 +277,9 @@ def count_calls(monkeypatch, name, fail_at=None):
 
 
 @pytest.mark.parametrize("new_step", [2, 1], ids=["next-step", "same-step-again"])
-@pytest.mark.parametrize("call", ["replace", "rename", "fsync"])
+@pytest.mark.parametrize("call", ["replace", "rename", "fsync", "remove"])
 def test_a_kill_at_every_call_of_a_save_leaves_one_complete_checkpoint(tmp_path, monkeypatch, call, new_step):
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability needs a power cut to observe; calls still count
     base = tmp_path / "base"
     run = RunDir.create(str(base))
     (base / "README.md").write_text("mine")
@@ -281,7 +294,7 @@ def test_a_kill_at_every_call_of_a_save_leaves_one_complete_checkpoint(tmp_path,
         with monkeypatch.context() as m:
             calls = count_calls(m, call, fail_at=k)
             try:
-                run.save(model, moments(model, step), make_state(new_step), TOKENIZER, keep=3)
+                run.save(model, moments(model, step), make_state(new_step), TOKENIZER, keep=1)
             except Killed:
                 pass
         if calls[0] < k:  # the save made fewer calls: every one has been a kill point
@@ -295,6 +308,7 @@ def test_a_kill_at_every_call_of_a_save_leaves_one_complete_checkpoint(tmp_path,
         assert top == old_model or top == digest(os.path.join(state["dir"], "model.safetensors")) != old_model
         save(run, 3)
         check_checkpoint(run.latest_state(), 3)
+        assert all(os.path.isfile(f"{run.checkpoints}/{name}/state.json") for name in os.listdir(run.checkpoints))
         assert leftovers(run) == [] and (out / "README.md").read_text() == "mine"
 
 
@@ -315,9 +329,9 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
         assert tree(tmp_path / "run") == before and leftovers(run) == []
 
 
-def mount_tmpfs(path, size):
+def mount_tmpfs(path, options):
     path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
                             text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here to fill a real disk ({result.stderr.strip()[:100]})")
@@ -330,7 +344,7 @@ def test_a_real_full_disk_gives_one_error_and_keeps_the_previous_checkpoint(tmp_
     one = sum(-(-os.path.getsize(os.path.join(r, f)) // 4096) * 4096 + 4096  # tmpfs: pages, and an inode
               for r, _, fs in os.walk(probe.path) for f in fs)
     disk = tmp_path / "disk"
-    mount_tmpfs(disk, int(one * checkpoints_of_room) // 4096 * 4096)
+    mount_tmpfs(disk, f"size={int(one * checkpoints_of_room) // 4096 * 4096}")
     try:
         run = RunDir.create(str(disk / "run"))
         (disk / "run" / "README.md").write_text("mine")
@@ -394,7 +408,8 @@ BAD_STATES = [  # (field to edit, bad value, the field the message names)
     ("config.seed", True, "config.seed"), ("config.compile", "yes", "config.compile"),
     ("config.lrr", 1.0, "config.lrr"), ("history", "x", "history"), ("history", {"0": 1}, "history"),
     ("history", [1], "history[0]"), ("history.0.tokens", -1, "history[0].tokens"),
-    ("history.0.dir", DELETE, "history[0]"), ("history.0.phase", deep(50), "history[0].phase"),
+    ("history.0.dir", DELETE, "history[0]"), ("history.0.phase", "foo", "history[0].phase"),
+    ("config.seed", DELETE, "config.seed"), ("history.0.phase", deep(50), "history[0].phase"),
     ("history", deep(200), "history[0]"), ("rng", "x", "rng"), ("rng.0.cpu", "!!!not base64", "rng[0].cpu"),
     ("rng.0.cpu", base64.b64encode(b"short").decode(), "rng[0].cpu"), ("rng.0", "x", "rng[0]"),
     ("rng.0.cpu", DELETE, "rng[0].cpu"), ("rng.0.cuda", 5, "rng[0].cuda"), ("files", "x", "files"),
@@ -432,6 +447,8 @@ def test_validate_state_accepts_a_good_state_and_the_top_level_must_be_an_object
     (lambda f: edit_file(f + "/state.json", "rng", [{"cpu": "%%"}]), r"state.json: rng\[0\].cpu: not base64"),
     (lambda f: open(f + "/model.safetensors", "ab").write(b"x"), "model.safetensors has"),
     (lambda f: os.remove(f + "/optimizer.safetensors"), "optimizer.safetensors has None bytes"),
+    (lambda f: edit_file(f + "/state.json", "phase_step", 1), "phase_step: 1, but the checkpoint was saved as step 2"),
+    (lambda f: edit_file(f + "/state.json", "files", {"config.json": 1068}), "files: model.safetensors is not listed"),
 ])
 def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, damage, match):
     run = RunDir.create(str(tmp_path / "run"))
@@ -457,7 +474,7 @@ def test_a_non_finite_weight_or_moment_is_never_saved(tmp_path):
     run = RunDir.create(str(tmp_path / "run"))
     save(run, 1)
     before = tree(run.path)
-    model = small_model(2)
+    model = copy.deepcopy(small_model(2))  # poisoned below: not the cached one
     bad = moments(model, 2)
     next(iter(bad.values()))[0] = float("nan")
     with pytest.raises(InputError, match="non-finite values in exp_avg.* at step 2.*step-00000001 is intact"):
@@ -515,3 +532,13 @@ def test_graceful_stop(capsys, first, second):
             os.kill(os.getpid(), second)
     assert {s: signal.getsignal(s) for s in GracefulStop.SIGNALS} == before
     assert capsys.readouterr() == ("", "")
+
+
+def test_create_on_a_read_only_disk_is_one_error(tmp_path):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "size=64k,ro")
+    try:
+        with pytest.raises(InputError, match=r"disk/run: cannot write a run there \(Read-only file system\)"):
+            RunDir.create(str(disk / "run"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
