@@ -12,12 +12,13 @@ A run directory OUT, as train.py writes it:
                                     state.json (written last; lists the other files' sizes)
     OUT/.lock                       held by the process writing the run
 
-Ownership is by marker, never by name: a folder under checkpoints/ is this run's only if its .checkpoint file
-holds this run's id, so a user's backup (`cp -r run run.old`), another run, or a folder the user put inside
-OUT is never read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
+Ownership is by marker, never by name alone: a folder under checkpoints/ is this run's only if it is a real
+folder with a name a save gives and a .checkpoint file holding this run's id, so a user's backup
+(`cp -r run run.old`), another run's checkpoint, a link, a folder the user renamed or put inside OUT is never
+read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
 state.json last), copies the Hugging Face files beside their top-level names, then renames: each top-level
 file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
-any folder of ours whose state.json is there counts, whatever its name.
+any folder of ours whose state.json is there counts, under whichever of those names.
 """
 import base64
 import binascii
@@ -121,15 +122,18 @@ class RunDir:
     @staticmethod
     def is_run(path):
         """Whether `path` holds a run marker of train.py (never raises)."""
+        marker = os.path.join(path, RUN_FILE)
+        if not os.path.isfile(marker):  # a named pipe would block the open
+            return False
         try:
-            with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
+            with open(marker, encoding="utf-8") as f:
                 return _is_marker(json.load(f))
         except (OSError, ValueError, RecursionError):
             return False
 
     def _ours(self, folder):
         """A real folder (not a link) whose marker holds this run's id."""
-        if os.path.islink(folder) or not os.path.isdir(folder):
+        if os.path.islink(folder) or not os.path.isdir(folder) or not os.path.isfile(os.path.join(folder, MARKER)):
             return False
         try:
             with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
@@ -239,7 +243,8 @@ class RunDir:
                 shutil.copyfile(os.path.join(tmp, name), staged[name])
                 _fsync(staged[name])
             for name in published:
-                os.replace(staged.pop(name), os.path.join(self.path, name))
+                os.replace(staged[name], os.path.join(self.path, name))
+                del staged[name]
             _fsync(self.path)
         except Exception as e:  # OSError, and safetensors' own error types on a full disk
             for path in staged.values():

@@ -107,6 +107,7 @@ def test_user_files_backups_and_foreign_folders_are_never_touched(tmp_path):
     shutil.copytree(out, backup)  # cp -r run run.old: the same run_id, every checkpoint marker included
     shutil.copytree(save(RunDir.create(str(other)), 99), out / "checkpoints" / "step-00000099")  # another run's
     (out / "checkpoints" / "step-00000098").mkdir()  # and a folder without a marker
+    os.symlink(backup / "checkpoints" / "step-00000001", out / "checkpoints" / "step-00000097")  # a link to ours
     (out / "checkpoints" / "step-00000098" / "state.json").write_text(json.dumps(make_state(98)))
     user = ("README.md", "eval/scores.txt", "results.json", "run.json", "checkpoints/step-00000098/state.json",
             *(f"checkpoints/step-00000099/{name}" for name in os.listdir(out / "checkpoints" / "step-00000099")))
@@ -116,7 +117,7 @@ def test_user_files_backups_and_foreign_folders_are_never_touched(tmp_path):
         check_checkpoint(RunDir.open(str(out)).latest_state(), step)
     after = tree(out)
     assert {k: after.get(k) for k in user} == {k: before[k] for k in user}
-    assert sorted(os.listdir(out / "checkpoints")) == [f"step-{s:08d}" for s in (3, 4, 98, 99)]
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step-{s:08d}" for s in (3, 4, 97, 98, 99)]
     assert tree(backup) == before_backup
     assert RunDir.open(str(backup)).latest_state()["dir"] == str(backup / "checkpoints" / "step-00000001")
     # a different run trained into run.old is never adopted by run
@@ -317,14 +318,26 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
     save(run, 1)
     before = tree(tmp_path / "run")
     from safetensors import SafetensorError
-    for target, error in [("shutil.copyfile", OSError(28, "No space left on device")),
-                          ("safetensors.torch.save_file", SafetensorError("Error while serializing: IoError")),
-                          ("data.Tokenizer.save_pretrained", OSError(5, "Input/output error"))]:
+    real_replace = os.replace
+
+    def fail(error, when=lambda *args: True, real=None):
+        def fake(*args, **kwargs):
+            if when(*args):
+                raise error
+            return real(*args, **kwargs)
+        return fake
+    top_level = lambda src, dst: os.path.dirname(dst) == run.path and dst.endswith("model.safetensors")  # noqa
+    for target, fake, reason in [
+            ("shutil.copyfile", fail(OSError(28, "No space left on device")), "No space left on device"),
+            ("safetensors.torch.save_file", fail(SafetensorError("Error while serializing: IoError")),
+             "SafetensorError: Error while serializing"),
+            ("data.Tokenizer.save_pretrained", fail(OSError(5, "Input/output error")), "Input/output error"),
+            ("os.replace", fail(IsADirectoryError(21, "Is a directory"), top_level, real_replace), "Is a directory")]:
         with monkeypatch.context() as m:
-            m.setattr(target, lambda *a, **k: (_ for _ in ()).throw(error))
+            m.setattr(target, fake)
             with pytest.raises(InputError) as e:
                 save(run, 2)
-        assert "could not write the checkpoint of step 2" in str(e.value)
+        assert f"could not write the checkpoint of step 2 in {run.checkpoints}: {reason}" in str(e.value)
         assert "step-00000001 is intact" in str(e.value)
         assert tree(tmp_path / "run") == before and leftovers(run) == []
 
