@@ -431,7 +431,8 @@ def _list(value, field, check, limit):
 
 SETTINGS = {  # a setting's type name in train.py -> (check, what it expects)
     "int": (lambda v: type(v) is int and abs(v) < MAX_INT, "an integer"),
-    "float": (lambda v: type(v) in (int, float) and math.isfinite(v) and abs(v) < 1e300, "a finite number"),
+    "float": (lambda v: type(v) is int and abs(v) < MAX_INT or type(v) is float and math.isfinite(v),
+              "a finite number"),
     "str": (lambda v: type(v) is str and len(v) <= 4096, "a string"),
     "bool": (lambda v: type(v) is bool, "true or false"),
 }
@@ -439,7 +440,7 @@ SETTINGS = {  # a setting's type name in train.py -> (check, what it expects)
 
 def _setting(value, field, kind=None):
     """One configuration value: a finite number, a string or a boolean; of type `kind` when it is known."""
-    if kind is None:
+    if kind not in SETTINGS:
         if not any(check(value) for check, _ in SETTINGS.values()):
             raise _Bad(field, f"expected a finite number, a string or a boolean, got {_show(value)}")
     elif not SETTINGS[kind][0](value):
@@ -447,6 +448,7 @@ def _setting(value, field, kind=None):
 
 
 def _config(value, fields):
+    """The resolved configuration: {name: value}, every one of `fields` there with its type when given."""
     if fields is None:
         return _object(value, "config", _setting, 512)
     _object(value, "config", lambda v, f: None, 512)

@@ -428,7 +428,9 @@ BAD_STATES = [  # (field to edit, bad value, the field the message names)
     ("rng.0.cpu", DELETE, "rng[0].cpu"), ("rng.0.cuda", 5, "rng[0].cuda"), ("files", "x", "files"),
     ("files.model.safetensors", -1, "files['model.safetensors']"), ("files.../x", 3, "files['../x']"),
     ("code", "x", "code"), ("code.git", 5, "code.git"), ("tokenizer", 5, "tokenizer"),
-    ("tokenizer", DELETE, "tokenizer"), ("surprise", 1, "surprise"),
+    ("tokenizer", DELETE, "tokenizer"), ("surprise", 1, "surprise"), ("phase_tokens", 1e30, "phase_tokens"),
+    ("history.0.tokens", 1e30, "history[0].tokens"), ("history.0.extra", 1, "history[0]"),
+    ("loader.sequence", 2 ** 70, "loader.sequence"), ("config.lr", 10 ** 400, "config.lr"),
 ]
 
 
