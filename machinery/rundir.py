@@ -23,6 +23,7 @@ any folder of ours whose state.json is there counts, under whichever of those na
 import base64
 import binascii
 import datetime
+import errno
 import fcntl
 import glob
 import hashlib
@@ -88,7 +89,7 @@ class RunDir:
             raise InputError(f"{path} holds {clash[0]} but no {RUN_FILE}: it is not a run of train.py, and a new "
                              f"run would overwrite it; choose another --out_dir or move it away")
         run_id = uuid.uuid4().hex
-        tmp = f"{marker}.tmp-{run_id}"
+        tmp, made = f"{marker}.tmp-{run_id}", not os.path.lexists(path)
         try:
             os.makedirs(path, exist_ok=True)
             write_json(tmp, {"written_by": "train.py", "run_id": run_id,
@@ -99,6 +100,9 @@ class RunDir:
             raise InputError(f"{path}: another train.py created a run there just now; choose another --out_dir") \
                 from None
         except OSError as e:
+            _remove_file(tmp)
+            if made and os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)  # a full disk or a read-only folder leaves nothing behind
             raise InputError(f"{path}: cannot write a run there ({e.strerror or e})") from None
         finally:
             _remove_file(tmp)
@@ -364,10 +368,14 @@ def _size(path):
 
 
 def _fsync(path):
-    """Flush a file, or a folder's entries (a rename or a new file), to the disk."""
+    """Flush a file, or a folder's entries (a rename or a new file), to the disk. Some file systems cannot
+    flush a folder (EINVAL): its entries then reach the disk when the file system decides."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (e.errno == errno.EINVAL and os.path.isdir(path)):
+            raise
     finally:
         os.close(fd)
 

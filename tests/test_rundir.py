@@ -212,10 +212,10 @@ def test_create_refuses(tmp_path, prepare, match):
     (tmp_path / "parent").mkdir()
     path = str(tmp_path / "parent" / "run")
     prepare(path)
-    before = tree(tmp_path)
+    before, listing = tree(tmp_path), sorted(os.walk(tmp_path))
     with pytest.raises(InputError, match=match):
         RunDir.create(path)
-    assert tree(tmp_path) == before
+    assert tree(tmp_path) == before and sorted(os.walk(tmp_path)) == listing
 
 
 def test_create_accepts_a_folder_of_user_files_and_restarts_a_run_that_never_saved(tmp_path):
@@ -549,11 +549,14 @@ def test_graceful_stop(capsys, first, second):
     assert capsys.readouterr() == ("", "")
 
 
-def test_create_on_a_read_only_disk_is_one_error(tmp_path):
+@pytest.mark.parametrize("options, reason", [("size=64k,ro", "Read-only file system"),
+                                             ("size=4k,nr_inodes=2", "No space left on device")])
+def test_create_on_a_read_only_or_full_disk_is_one_error_and_leaves_nothing(tmp_path, options, reason):
     disk = tmp_path / "disk"
-    mount_tmpfs(disk, "size=64k,ro")
+    mount_tmpfs(disk, options)
     try:
-        with pytest.raises(InputError, match=r"disk/run: cannot write a run there \(Read-only file system\)"):
+        with pytest.raises(InputError, match=rf"disk/run: cannot write a run there \({reason}\)"):
             RunDir.create(str(disk / "run"))
+        assert os.listdir(disk) == []
     finally:
         subprocess.run(["umount", str(disk)], check=True)
