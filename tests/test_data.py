@@ -12,6 +12,8 @@ import torch
 
 import data
 from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
+from machinery import tokenizer as tok
+from machinery.cli import InputError, run
 
 CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]
 TRICKY = ([" " * n + "x" for n in range(1, 31)] + ["a" + " " * n + "b" for n in range(1, 31)] + [
@@ -183,7 +185,7 @@ def test_unsupported_tokenizer_is_refused(trained, tmp_path, edit, words_):
     edit(config)
     path = tmp_path / "odd_tokenizer.json"
     path.write_text(json.dumps(config))
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(InputError) as e:
         data.load_tokenizer(path)
     assert all(w in str(e.value) for w in ["odd_tokenizer.json", *words_]), str(e.value)
 
@@ -196,7 +198,7 @@ def recount_merges(texts, n_merges):
     Tokens are bytes; ties go to the smallest ids (a byte's id is its value, merge k makes id 256 + k)."""
     import regex
     from collections import Counter
-    pieces = Counter(w for t in texts for w in regex.findall(data.GPT2_PATTERN, unicodedata.normalize("NFC", t)))
+    pieces = Counter(w for t in texts for w in regex.findall(tok.GPT2_PATTERN, unicodedata.normalize("NFC", t)))
     words = Counter({tuple(bytes([c]) for c in w.encode()): f for w, f in pieces.items()})
     ids, merges = {bytes([i]): i for i in range(256)}, []
     while len(merges) < n_merges:
@@ -225,8 +227,8 @@ def recount_merges(texts, n_merges):
 
 def test_learned_merges_equal_the_recount(tmp_path):
     texts = [words(random.Random(8), 200) for _ in range(5)]
-    counts = data.word_counts([write_jsonl(tmp_path / "c.jsonl", texts)])
-    assert data.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
+    counts = tok.word_counts(text for text, _ in data.read_documents(write_jsonl(tmp_path / "c.jsonl", texts)))
+    assert tok.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
 
 
 def test_learned_tokenizer_stops_when_the_corpus_runs_out(tmp_path, capsys):
@@ -324,7 +326,7 @@ def test_prepare_mix(tmp_path):
     assert abs(train["per_source"]["small"]["tokens"] / train["tokens"] - 0.4) < 0.02
     assert train["per_source"]["small"]["documents"] > 2 * 39  # repeated more than twice
     assert meta["splits"]["val"] == plain["splits"]["val"]  # validation chosen before mixing, never repeated
-    with pytest.raises(data.DataError, match="big.*small"):
+    with pytest.raises(InputError, match="big.*small"):
         data.prepare([big, small], "bytes", tmp_path / "bad", mix={"big": 1.0, "other": 1.0})
 
 
@@ -335,28 +337,56 @@ def test_parquet_input(tmp_path):
         import pyarrow.parquet as pq
     except ImportError:  # optional dependency: without it the message says what to install
         path.write_bytes(b"PAR1")
-        with pytest.raises(data.DataError, match="rows.parquet: reading .parquet needs pyarrow"):
+        with pytest.raises(InputError, match="rows.parquet: reading .parquet needs pyarrow"):
             data.prepare([path], "bytes", tmp_path / "out")
         return
     pq.write_table(pyarrow.table({"text": ["one", "", "two"], "n": [1, 2, 3]}), path)
     meta = data.prepare([path], "bytes", tmp_path / "out")
     assert meta["sources"][0]["documents"] == 2  # the empty row is skipped
     assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == 10
-    with pytest.raises(data.DataError, match="rows.parquet: column 'n' holds int"):
+    with pytest.raises(InputError, match="rows.parquet: column 'n' holds int"):
         data.prepare([path], "bytes", tmp_path / "out", field="n")
-    with pytest.raises(data.DataError, match="rows.parquet: no column 'body'"):
+    with pytest.raises(InputError, match="rows.parquet: no column 'body'"):
         data.prepare([path], "bytes", tmp_path / "out", field="body")
 
 
 def test_demo_subprocess(tmp_path, demo_corpus):
-    run = subprocess.run([sys.executable, str(ROOT / "data.py")], cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    meta = data.load_meta(tmp_path / "data" / "demo")
-    assert meta["tokenizer"] == "bytes" and meta["splits"]["train"]["tokens"] > 500_000
-    for name in ("train.bin", "val.bin"):  # the command builds what the shared fixture built: the demo is reproducible
-        assert (tmp_path / "data" / "demo" / name).read_bytes() == (Path(demo_corpus) / name).read_bytes()
-    x, y = data.Loader(tmp_path / "data" / "demo", seq_len=512, batch_size=8, micro_batch_size=8).next()
+    """`python data.py` builds data/demo: the docstrings, and a BPE of DEMO_VOCAB ids learned from them. The same
+    bytes in any process (the session fixture built the demo in this one, with another hash seed)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "data.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    demo = tmp_path / "data" / "demo"
+    meta = data.load_meta(demo)
+    assert meta["tokenizer"] == str((demo / "tokenizer.json").resolve()) and meta["vocab_size"] == data.DEMO_VOCAB
+    assert meta["splits"]["train"]["tokens"] > 400_000 and meta["special_ids"] == [2044, 2045, 2046, 2047]
+    for name in ("tokenizer.json", "train.bin", "val.bin"):
+        assert (demo / name).read_bytes() == (Path(demo_corpus) / name).read_bytes()
+    x, y = data.Loader(demo, seq_len=512, batch_size=8, micro_batch_size=8).next()
     assert x.shape == y.shape == (8, 512)
+
+
+def test_demo_tokenizer_answers_words(demo_corpus):
+    """Fill-mask on the demo predicts one token: with the demo's BPE, the words of the README's example and the
+    docstrings' common words are one token each (with the byte tokenizer every token is a character)."""
+    tokenizer = data.load_tokenizer(data.load_meta(demo_corpus)["tokenizer"])
+    for word in ["Return", " the", " number", " of", " list", " value", " function", " object", " string", " file"]:
+        assert len(tokenizer.encode(word)) == 1, word
+    ids = tokenizer.encode("Return the [MASK] of the list.")  # [MASK] takes the space before it (lstrip)
+    assert ids == [*tokenizer.encode("Return the"), tokenizer.mask_id, *tokenizer.encode(" of the list.")]
+    assert len(ids) == 7 and tokenizer.decode(ids) == "Return the[MASK] of the list."
+
+
+def test_demo_is_rebuilt_for_another_tokenizer(tmp_path, monkeypatch, capsys):
+    """A demo is reused only when it was made with the tokenizer asked for; 'bytes' stays available."""
+    monkeypatch.setattr(data, "DEMO_BYTES", 30_000)  # a few docstrings: seconds
+    demo = tmp_path / "demo"
+    learned = data.prepare_demo(demo, vocab_size=300)
+    assert learned["vocab_size"] == 300 and learned["tokenizer"] == str((demo / "tokenizer.json").resolve())
+    assert data.prepare_demo(demo, vocab_size=300) == learned and "already prepared" in capsys.readouterr().out
+    as_bytes = data.prepare_demo(demo, vocab_size=None)
+    assert (as_bytes["tokenizer"], as_bytes["vocab_size"]) == ("bytes", 260)
+    assert "building it again" in capsys.readouterr().out
+    assert as_bytes["splits"]["train"]["tokens"] > 1.2 * learned["splits"]["train"]["tokens"]  # a token a byte
 
 
 # ----------------------------------------------------------------------------
@@ -393,6 +423,61 @@ def test_clm_labels(byte_data):
     assert torch.equal(y[:, :-1], expected)
 
 
+def test_lookahead_keeps_the_saved_position(byte_data):
+    """next() prepares the following micro-batch ahead, yet each batch is the one its position names and
+    state_dict() is the position of the batch the next next() returns: a checkpoint after any step resumes
+    exactly, with nothing for the training loop to remember."""
+    ahead, direct = loader(byte_data), loader(byte_data)  # 4 sequences a micro-batch, accum 2
+    for step in range(3):
+        for k in range(2):
+            x, y = ahead.next()
+            expected = direct.batch(np.arange(8 * step + 4 * k, 8 * step + 4 * k + 4))
+            assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+        assert ahead.ahead is not None and ahead.state_dict()["sequence"] == 8 * (step + 1)
+        resumed = loader(byte_data)
+        resumed.load_state_dict(json.loads(json.dumps(ahead.state_dict())))
+        following = direct.batch(np.arange(8 * step + 8, 8 * step + 12))
+        assert all(torch.equal(u, v) for u, v in zip(resumed.next(), following))
+    on_cpu = loader(byte_data, device="cpu")
+    assert all(torch.equal(u, v) for u, v in zip(on_cpu.next(), loader(byte_data).next()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lookahead_on_cuda(byte_data):
+    """With a CUDA device the ids arrive there (copied from pinned memory), the labels stay on the host."""
+    on_gpu, on_cpu = loader(byte_data, device="cuda"), loader(byte_data)
+    for _ in range(5):
+        (x, y), (cx, cy) = on_gpu.next(), on_cpu.next()
+        assert x.device.type == "cuda" and y.device.type == "cpu"
+        assert torch.equal(x.cpu(), cx) and torch.equal(y, cy)
+    assert on_gpu.state_dict() == on_cpu.state_dict()
+
+
+def test_objectives_table(byte_data):
+    assert list(data.OBJECTIVES) == ["mlm", "clm"]
+    with pytest.raises(InputError, match="objective 'span': expected one of mlm, clm"):
+        loader(byte_data, objective="span")
+
+
+def test_masking_rate_schedule_is_one_function(byte_data, monkeypatch):
+    """A masking rate that grows with the sequence index is one function and one table entry; its batches
+    are rebuilt exactly from the saved position."""
+    def mlm_ramp(x, g, vocab, rate, seed):  # rate * g / 32, up to rate
+        return data.mlm_labels(x, g, vocab, rate * np.minimum(1.0, g / 32), seed)
+    monkeypatch.setitem(data.OBJECTIVES, "mlm_ramp", mlm_ramp)
+    ramp = loader(byte_data, objective="mlm_ramp", batch_size=16, micro_batch_size=16)
+    x, y = (torch.cat(t) for t in zip(*[ramp.next() for _ in range(4)]))  # sequences 0..63
+    maskable = torch.where(y == -100, x, y) < 256  # the original tokens that are not special
+    rate = (y != -100).sum(1) / maskable.sum(1)
+    expected = 0.3 * torch.clamp(torch.arange(64) / 32, max=1.0)
+    assert rate[0] == 0 and torch.allclose(rate.view(8, 8).mean(1), expected.view(8, 8).mean(1), atol=0.015)
+    state = ramp.state_dict()
+    fresh = loader(byte_data, objective="mlm_ramp", batch_size=16, micro_batch_size=16)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(u, v) for u, v in zip(fresh.next(), ramp.next()))
+
+
 def test_same_seeds_same_batches_and_resume(byte_data):
     a, b = loader(byte_data), loader(byte_data)
     for _ in range(3):  # accum is 2: this leaves the loaders in the middle of step 1
@@ -406,7 +491,7 @@ def test_same_seeds_same_batches_and_resume(byte_data):
     resumed = loader(byte_data)
     resumed.load_state_dict(state)
     assert all(torch.equal(u, v) for e in expected for u, v in zip(e, resumed.next()))
-    with pytest.raises(data.DataError, match="data_seed"):
+    with pytest.raises(InputError, match="data_seed"):
         loader(byte_data, data_seed=0).load_state_dict(state)
 
 
@@ -477,21 +562,21 @@ def test_document_ids():
 ])
 def test_bad_corpus(tmp_path, name, content, expected):
     (tmp_path / name).write_bytes(content)
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(InputError) as e:
         data.prepare([tmp_path / name], "bytes", tmp_path / "out")
     assert all(w in str(e.value) for w in expected), str(e.value)
     assert not any((tmp_path / "out").iterdir())  # nothing half-written
 
 
 def test_missing_files(tmp_path):
-    with pytest.raises(data.DataError, match="nope.jsonl: input file not found"):
+    with pytest.raises(InputError, match="nope.jsonl: input file not found"):
         data.prepare([tmp_path / "nope.jsonl"], "bytes", tmp_path / "out")
-    with pytest.raises(data.DataError, match="meta.json: not found"):
+    with pytest.raises(InputError, match="meta.json: missing"):
         data.load_meta(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
-    with pytest.raises(data.DataError, match="meta.json: not readable JSON"):
+    with pytest.raises(InputError, match="meta.json: not valid JSON"):
         data.load_meta(tmp_path)
-    with pytest.raises(data.DataError, match="nope.json: tokenizer file not found"):
+    with pytest.raises(InputError, match="nope.json: missing .expected a tokenizer.json, a hub id, or 'bytes'"):
         data.load_tokenizer(tmp_path / "nope.json")
 
 
@@ -500,28 +585,28 @@ def test_bad_bin_files(byte_data, tmp_path):
     bad.mkdir()
     (bad / "meta.json").write_bytes((byte_data / "meta.json").read_bytes())
     (bad / "train.bin").write_bytes(b"\x00" * 4097)
-    with pytest.raises(data.DataError, match=r"train.bin: size 4097 bytes is not a multiple of uint16"):
+    with pytest.raises(InputError, match=r"train.bin: size 4097 bytes is not a multiple of uint16"):
         loader(bad)
     np.array([1, 2, 300, 4] * 1024, dtype=np.uint16).tofile(bad / "train.bin")
-    with pytest.raises(data.DataError, match=r"train.bin: max token id 300 but vocab_size is 260"):
+    with pytest.raises(InputError, match=r"train.bin: max token id 300 but vocab_size is 260"):
         loader(bad)
-    with pytest.raises(data.DataError, match=r"val.bin: seq_len 1000000 is longer than the data \(\d+ tokens\)"):
+    with pytest.raises(InputError, match=r"val.bin: seq_len 1000000 is longer than the data \(\d+ tokens\)"):
         loader(byte_data, split="val", seq_len=1_000_000)
 
 
 def test_tokenizer_mismatch(byte_data, trained):
     meta = data.load_meta(byte_data)
     data.check_tokenizer(meta, data.load_tokenizer("bytes"))
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(InputError) as e:
         data.check_tokenizer(meta, data.load_tokenizer(trained[0]))
     assert all(w in str(e.value) for w in ["bytes", "tokenizer.json", "fingerprint"]), str(e.value)
 
 
 def test_cli_error_has_no_traceback(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "data.py"), "prepare", "--input", str(tmp_path / "gone.txt"),
+    proc = subprocess.run([sys.executable, str(ROOT / "data.py"), "prepare", "--input", str(tmp_path / "gone.txt"),
                           "--tokenizer", "bytes", "--out", str(tmp_path / "out")], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr.startswith("error: ") and "gone.txt" in run.stderr
-    assert "Traceback" not in run.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "gone.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_docstrings_command_writes_general_text(tmp_path, capsys):
@@ -531,5 +616,5 @@ def test_docstrings_command_writes_general_text(tmp_path, capsys):
     size = sum(len(t.encode()) for t in texts)
     assert size >= 20000 and size - len(texts[-1].encode()) < 20000  # stops at the first docstring past the limit
     with pytest.raises(SystemExit) as exit_info:
-        data.main(["docstrings", "--out", str(out), "--max_bytes", "0"])
+        run(data.main, ["docstrings", "--out", str(out), "--max_bytes", "0"])
     assert exit_info.value.code == 2 and "--max_bytes=0" in capsys.readouterr().err

@@ -1,11 +1,16 @@
 """data.py bad inputs, table-driven: each ends in exit code 2 and ONE line `error: ...` naming the flag or file,
-before any tokenizing; meta.json and tokenizer.json are checked for structure and id range before any allocation."""
+before any tokenizing; meta.json and tokenizer.json are checked for structure and id range before any allocation;
+a loader state read from a checkpoint is checked field by field; a real full disk leaves nothing behind."""
 import json
 import os
+import subprocess
 
 import pytest
+import torch
 
 import data
+from machinery.cli import InputError, run
+from machinery.tokenizer import bytes_config
 
 
 def write_jsonl(path, texts):
@@ -13,17 +18,29 @@ def write_jsonl(path, texts):
     return path
 
 
+def with_flags(argv, extra):
+    """argv with the flags that extra names replaced by extra's (a flag may be given once), the rest appended."""
+    named = {a for a in extra if str(a).startswith("--")}
+    kept, skipping = [], False
+    for a in argv:
+        if str(a).startswith("--"):
+            skipping = a in named
+        if not skipping:
+            kept.append(a)
+    return kept + list(extra)
+
+
 def run_cli(argv, capsys):
     """(exit code, stderr) of data.main(argv), in process: the subprocess path is tested in test_data.py."""
     with pytest.raises(SystemExit) as e:
-        data.main([str(a) for a in argv])
+        run(data.main, [str(a) for a in argv])
     return e.value.code, capsys.readouterr().err
 
 
 def byte_tokenizer_with(edit):
     """A function of the tmp dir writing odd.json: the byte tokenizer's tokenizer.json after edit(config)."""
     def build(tmp):
-        config = data.bytes_config()
+        config = bytes_config()
         config = edit(config) or config
         (tmp / "odd.json").write_text(json.dumps(config))
         return tmp / "odd.json"
@@ -88,14 +105,54 @@ CASES = [
     ("workers negative", lambda t: ["--workers", "-2"], ["--workers=-2"]),
     ("seed negative", lambda t: ["--seed", "-1"], ["--seed=-1"]),
     ("unknown flag", lambda t: ["--vocab", "5"], ["unrecognized arguments", "--vocab"]),
+    # inputs, flags and tokenizer files
+    ("input is a folder", lambda t: ["--input", t], ["a folder; expected a text file"]),
+    ("two inputs, one stem", lambda t: ["--input", t / "corpus.jsonl", raw(t, "corpus.txt", b"a\n\nb\n")],
+     ["--input", "distinct file names"]),
+    ("flag given twice", lambda t: ["--seed", "1", "--seed", "2"], ["--seed", "given twice"]),
+    ("seed not an integer", lambda t: ["--seed", "1.5"], ["--seed", "1.5"]),
+    ("mix weight 1e400", lambda t: ["--mix", "corpus=1e400"], ["--mix", "finite"]),
+    ("mix empty", lambda t: ["--mix", ""], ["--mix", "name=weight"]),
+    ("tokenizer is a folder", lambda t: ["--tokenizer", t], ["cannot read it"]),
+    ("tokenizer not UTF-8", lambda t: ["--tokenizer", raw(t, "t.json", b'{"model": "\xff"}')],
+     ["t.json", "not valid JSON"]),
+    ("tokenizer nested 100000 deep", lambda t: ["--tokenizer", raw(t, "t.json", b"[" * 100_000 + b"]" * 100_000)],
+     ["t.json", "not valid JSON"]),
+    ("tokenizer vocab id a bool", lambda t: ["--tokenizer", byte_tokenizer_with(
+        lambda c: c["model"]["vocab"].update(a=True))(t)], ["odd.json", "model.vocab"]),
 ]
+
+# texts that JSON or a file allows and Unicode text does not: (case, input file, its bytes, words of the error)
+BAD_TEXTS = [
+    ("jsonl lone high surrogate", "s.jsonl", b'{"text": "a"}\n{"text": "x \\ud800"}\n',
+     ["s.jsonl:2", "lone surrogate", "'\\ud800' at character 2"]),
+    ("jsonl lone low surrogate", "s.jsonl", b'{"text": "\\udc80 tail"}\n', ["s.jsonl:1", "lone surrogate"]),
+    ("jsonl reversed surrogate pair", "s.jsonl", b'{"text": "\\ude00\\ud83d"}\n', ["s.jsonl:1", "lone surrogate"]),
+    ("jsonl byte 0xff", "b.jsonl", b'{"text": "a"}\n{"text": "\xff"}\n', ["b.jsonl:2", "invalid start byte"]),
+    ("jsonl cut inside a character", "b.jsonl", b'{"text": "a"}\n{"text": "caf\xc3', ["b.jsonl:2", "invalid UTF-8"]),
+    ("jsonl encoded surrogate", "b.jsonl", b'{"text": "\xed\xa0\x80"}\n', ["b.jsonl:1", "invalid UTF-8"]),
+    ("txt UTF-16", "w.txt", "two\n\ndocuments\n".encode("utf-16"), ["w.txt:1", "invalid UTF-8"]),
+    ("jsonl nested 100000 deep", "d.jsonl", b"[" * 100_000 + b"]" * 100_000, ["d.jsonl:1", "JSON object"]),
+    ("jsonl text null", "n.jsonl", b'{"text": null}\n', ["n.jsonl:1", "NoneType"]),
+    ("jsonl text NaN", "n.jsonl", b'{"text": NaN}\n', ["n.jsonl:1", "float"]),
+    ("jsonl a bare string", "n.jsonl", b'"text"\n', ["n.jsonl:1", "JSON object"]),
+]
+CASES += [(case, lambda t, name=name, content=content: ["--input", raw(t, name, content)], expected)
+          for case, name, content, expected in BAD_TEXTS]
+
+
+def raw(tmp, name, content):
+    """tmp/name holding exactly these bytes."""
+    (tmp / name).write_bytes(content)
+    return tmp / name
 
 
 @pytest.mark.parametrize("case, extra, expected", CASES, ids=[c[0] for c in CASES])
 def test_prepare_bad_input(case, extra, expected, tmp_path, capsys):
     write_jsonl(tmp_path / "corpus.jsonl", [f"document number {i}" for i in range(20)])
     (tmp_path / "line.txt").write_text("word " * 400_000 + "\n")  # one 2 MB line: a single document
-    argv = ["prepare", "--input", tmp_path / "corpus.jsonl", "--out", tmp_path / "out", *GOOD, *extra(tmp_path)]
+    argv = with_flags(["prepare", "--input", tmp_path / "corpus.jsonl", "--out", tmp_path / "out", *GOOD],
+                      extra(tmp_path))
     code, err = run_cli(argv, capsys)
     lines = err.rstrip("\n").split("\n")  # before the error there may be a progress bar, nothing else
     assert code == 2 and lines[-1].startswith("error: ") and err.count("error") == 1, err
@@ -130,8 +187,8 @@ def test_tokenizer_bad_input(case, extra, expected, tmp_path, capsys):
     write_jsonl(tmp_path / "corpus.jsonl", ["some text", "more text"])
     (tmp_path / "line.txt").write_text("a line\n")
     (tmp_path / "bad.jsonl").write_text("[1]\n")
-    argv = ["tokenizer", "--input", tmp_path / "corpus.jsonl", "--vocab_size", "300", "--out", tmp_path / "t.json",
-            *extra(tmp_path)]
+    argv = with_flags(["tokenizer", "--input", tmp_path / "corpus.jsonl", "--vocab_size", "300", "--out",
+                       tmp_path / "t.json"], extra(tmp_path))
     code, err = run_cli(argv, capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and all(w in err for w in expected), err
@@ -173,7 +230,7 @@ def test_bad_meta(case, edit, expected, prepared, tmp_path):
     meta = json.loads((prepared / "meta.json").read_text())
     edit(meta)
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(InputError) as e:
         data.load_meta(tmp_path)
     assert "meta.json" in str(e.value) and expected in str(e.value), str(e.value)
 
@@ -184,7 +241,118 @@ def test_count_windows_is_the_loaders(prepared):
         windows = data.count_windows(prepared, "val", seq_len)
         assert windows == n // seq_len == data.Loader(prepared, "val", seq_len, 1, 1).n_windows
     assert data.count_windows(prepared, "val", n + 1) == 0
-    with pytest.raises(data.DataError, match="seq_len"):
+    with pytest.raises(InputError, match="seq_len"):
         data.count_windows(prepared, "val", 0)
-    with pytest.raises(data.DataError, match="test.bin: not found"):
+    with pytest.raises(InputError, match="test.bin: not found"):
         data.count_windows(prepared, "test", 8)
+
+
+# ----------------------------------------------------------------------------
+# A loader state comes from a checkpoint's state.json: every field is checked before it is used
+
+def changed(**fields):
+    return lambda state: {**state, **fields}
+
+
+def without(key):
+    return lambda state: {k: v for k, v in state.items() if k != key}
+
+
+LOADER_STATE_CASES = [
+    ("not an object", lambda s: [1, 2], "expected an object, got list"),
+    ("sequence missing", without("sequence"), "sequence is missing"),
+    ("sequence a string", changed(sequence="abc"), "sequence is 'abc'"),
+    ("sequence negative", changed(sequence=-5), "sequence is -5"),
+    ("sequence 1e30", changed(sequence=1e30), "sequence is 1e+30"),
+    ("sequence a float", changed(sequence=16.0), "sequence is 16.0"),
+    ("sequence 2**70", changed(sequence=2 ** 70), "sequence is 1180591620717411303424"),
+    ("sequence true", changed(sequence=True), "sequence is True"),
+    ("sequence null", changed(sequence=None), "sequence is None"),
+    ("seq_len a string", changed(seq_len="64"), "seq_len is '64', expected 64"),
+    ("seq_len another", changed(seq_len=32), "seq_len is 32, expected 64"),
+    ("n_windows another", changed(n_windows=3), "n_windows is 3"),
+    ("split another", changed(split="val"), "split is 'val', expected 'train'"),
+    ("data_seed null", changed(data_seed=None), "data_seed is None, expected 42"),
+    ("mask_seed a float", changed(mask_seed=17.0), "mask_seed is 17.0, expected 17"),
+    ("mask_seed missing", without("mask_seed"), "mask_seed is missing"),
+]
+
+
+@pytest.mark.parametrize("case, edit, expected", LOADER_STATE_CASES, ids=[c[0] for c in LOADER_STATE_CASES])
+def test_bad_loader_state(case, edit, expected, prepared):
+    loader = data.Loader(prepared, "train", 64, 4, 2)
+    for _ in range(4):
+        loader.next()
+    state = json.loads(json.dumps(loader.state_dict()))
+    state = edit(state)
+    fresh = data.Loader(prepared, "train", 64, 4, 2)
+    with pytest.raises(InputError) as e:
+        fresh.load_state_dict(state, where="run/state.json: loader")
+    assert str(e.value).startswith("run/state.json: loader: ") and expected in str(e.value), str(e.value)
+    assert fresh.sequence == 0  # nothing was taken from the bad state
+
+
+def test_good_loader_state_passes_the_same_checks(prepared):
+    """The table's base state is valid, so every failure above is due to its one changed field."""
+    loader = data.Loader(prepared, "train", 64, 4, 2)
+    for _ in range(4):
+        loader.next()
+    fresh = data.Loader(prepared, "train", 64, 4, 2)
+    fresh.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    assert fresh.sequence == 8 and all(torch.equal(a, b) for a, b in zip(fresh.next(), loader.next()))
+
+
+# ----------------------------------------------------------------------------
+# A real full disk: a 256 KiB tmpfs. One error line, exit 2, and nothing of ours left on it
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True,
+                           text=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a 256 KiB tmpfs here, so no real full disk ({mount.stderr.strip()})")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def fill(disk):
+    """Fill the disk to the last byte; returns the filler's name."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+    return "filler"
+
+
+FULL_DISK_CASES = [  # (command given the tmp dir and the disk, what is on the disk before, the file it fails on)
+    ("prepare", lambda t, d: ["prepare", "--input", t / "big.jsonl", "--tokenizer", "bytes", "--out", d / "out"],
+     lambda d: [], "out"),
+    ("prepare over a previous corpus", lambda t, d: ["prepare", "--input", t / "big.jsonl", "--tokenizer", "bytes",
+                                                     "--out", d / "small"], None, "small"),
+    ("tokenizer", lambda t, d: ["tokenizer", "--input", t / "big.jsonl", "--vocab_size", "300", "--out",
+                                d / "tok.json"], lambda d: [fill(d)], "tok.json"),
+    ("docstrings", lambda t, d: ["docstrings", "--out", d / "general.jsonl", "--max_bytes", "400000"],
+     lambda d: [], "general.jsonl"),
+]
+
+
+@pytest.mark.parametrize("case, argv, before, culprit", FULL_DISK_CASES, ids=[c[0] for c in FULL_DISK_CASES])
+def test_full_disk(case, argv, before, culprit, small_disk, tmp_path, capsys):
+    write_jsonl(tmp_path / "big.jsonl", [f"document {i} " * 200 for i in range(200)])  # 600 KB of uint16 tokens
+    if before is None:  # a small corpus prepared there before: the failed run must leave it as it was
+        data.prepare([write_jsonl(tmp_path / "few.jsonl", ["one", "two", "three"])], "bytes", small_disk / "small")
+        kept = {p.name: p.read_bytes() for p in (small_disk / "small").iterdir()}
+        before = lambda d: ["small", *(f"small/{n}" for n in kept)]
+    expected = sorted(before(small_disk))
+    code, err = run_cli(argv(tmp_path, small_disk), capsys)
+    lines = err.rstrip("\n").split("\n")  # before the error there may be a progress bar, nothing else
+    assert code == 2 and lines[-1].startswith("error: ") and err.count("error") == 1, err
+    assert "Traceback" not in err and "No space left on device" in lines[-1] and culprit in lines[-1], err
+    left = sorted(str(p.relative_to(small_disk)) for p in small_disk.rglob("*"))
+    assert left in (expected, sorted([*expected, "out"])), left  # at most the empty --out folder it made
+    if case == "prepare over a previous corpus":
+        assert {p.name: p.read_bytes() for p in (small_disk / "small").iterdir()} == kept
