@@ -1,4 +1,4 @@
-"""
+r"""
 Data for continued pretraining of ModernBERT, top to bottom: text in, token files out, batches.
 
     python data.py                 # data/demo: stdlib docstrings and a BPE learned from them
@@ -682,7 +682,9 @@ def make_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     inputs = ".jsonl (one object a line), .txt (blank-line separated) or .parquet files"
     field = "the text field of .jsonl objects and the text column of .parquet files"
-    p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin and meta.json")
+    def command(name, what):
+        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+    p = command("prepare", "tokenize text files into train.bin, val.bin and meta.json")
     p.add_argument("--input", nargs="+", required=True, help=inputs)
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json path, a hub id, or 'bytes'")
     p.add_argument("--out", required=True, help="the directory to write")
@@ -694,17 +696,18 @@ def make_parser():
     p.add_argument("--seed", type=int, default=1337,
                    help="seeds the validation draw, the document order and the mixing")
     p.add_argument("--workers", type=int, default=usable_cores(),
-                   help="tokenizer threads (the default: the cores this process may use)")
-    t = sub.add_parser("tokenizer", help="learn a small byte-level BPE tokenizer.json from text")
+                   help="tokenizer threads; by default one per core this process may use")
+    t = command("tokenizer", "learn a small byte-level BPE tokenizer.json from text files")
     t.add_argument("--input", nargs="+", required=True, help=inputs)
     t.add_argument("--vocab_size", type=int, required=True,
                    help="number of ids, the 4 special tokens included")
     t.add_argument("--out", required=True, help="the tokenizer.json to write")
     t.add_argument("--field", default="text", help=field)
-    d = sub.add_parser("docstrings", help="write the standard library's docstrings as JSONL")
+    d = command("docstrings", "write the standard library's docstrings as JSONL (general text)")
     d.add_argument("--out", required=True, help="the .jsonl to write")
     d.add_argument("--max_bytes", type=int, default=1_000_000, help="stop after this much text")
-    e = sub.add_parser("demo", help="build the demo corpus (what `python data.py` does)")
+    e = command("demo", "build the demo corpus: docstrings and a BPE learned from them "
+                        "(what `python data.py` does)")
     e.add_argument("--out", default="data/demo", help="the directory to write")
     e.add_argument("--vocab_size", type=int, default=DEMO_VOCAB,
                    help="ids of the BPE learned from the demo's text; 0: the byte tokenizer")
