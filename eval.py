@@ -1,25 +1,25 @@
 """
-Evaluation of ModernBERT checkpoints: how far a run's representations moved (CKA), what they are worth
-downstream (fine-tuning), and how well the MLM head still predicts.
+Evaluation of ModernBERT checkpoints: how far a run's representations moved (CKA against a
+seed-noise band), what they are worth downstream (fine-tuning), and how well it still predicts.
 
-    python eval.py cka RUN_MLM RUN_CLM --control=RUN_MLM_SEED2 --control=RUN_MLM_SEED3 --control=RUN_MLM_SEED4 \
+    python eval.py cka RUN_MLM RUN_CLM --control=RUN_MLM_SEED2 --control=RUN_MLM_SEED3 \\
         --names=MLM,CLM --texts=heldout.jsonl --out=out/cka.json
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
-    python eval.py table out/ft_mlm.json out/ft_clm.json            # add --paired for CLM - MLM seed by seed
+    python eval.py table out/ft-mlm.json out/ft-clm.json  # paired against the first file
     python eval.py mlm RUN --data=data/demo
+    python eval.py curves out/clm out/mlm --out=out/curves.png
 
-A model is a Hugging Face ModernBERT directory (or hub id) or one of our run directories. Sections:
-models and tokenizers, metrics (as scikit-learn and seqeval compute them), CKA (SPEC §4), tasks (the two
-formats of data/README.md, one class per task kind), fine-tuning (SPEC §5), MLM quality, input checks,
-command line. Every bad flag or input file ends in one line `error: ...` and exit code 2.
+A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. Sections:
+models, metrics, CKA, task kinds, fine-tuning, result tables, validation loss and curves, command
+line. Task and results files are read and checked in machinery/tasks.py. Bad input ends in one
+line `error: ...` and exit status 2.
 """
 import argparse
-import contextlib
 import copy
+import hashlib
+import inspect
 import json
 import math
-import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,69 +30,79 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import DataError, load_meta, load_tokenizer, val_batches
-from model import IGNORE_INDEX, ModernBERT, resolve_checkpoint, write_json
+from data import load_meta, load_tokenizer
+from machinery.cli import (InputError, Parser, autocast, pick_device, pick_threads, positive_int,
+                           read_json, run, write_json)
+from machinery.hf import read_config, resolve_checkpoint
+from machinery.tasks import (SPLITS, is_number, load_results, read_jsonl, read_task, score,
+                             sha256_file)
+from model import IGNORE_INDEX, ModernBERT
 
 # ----------------------------------------------------------------------------
 # Models, tokenizers, batches
 
 
-def default_device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def inspect_model(path):
+    """What is known of a model before its weights are loaded: its local folder (a hub id is
+    fetched), its config, and the SHA-256 of its weights (which keys saved results and tells two
+    models apart)."""
+    text = str(path)
+    if not Path(text).is_dir() and (text.startswith((".", "/", "~")) or Path(text).parent.is_dir()):
+        raise InputError(f"{text}: no such model directory")  # a local path, not a hub id
+    folder = Path(resolve_checkpoint(text))
+    if not (folder / "model.safetensors").is_file():
+        raise InputError(f"{text}: no model.safetensors there (a model folder holds config.json "
+                         f"and model.safetensors)")
+    return {"path": text, "dir": folder, "config": read_config(folder / "config.json"),
+            "sha256": sha256_file(folder / "model.safetensors")}
 
 
-def default_threads():
-    """torch's default intra-op threads (OMP_NUM_THREADS when set, else every core of the machine) capped to the
-    cores this process may run on: in a container or under taskset torch counts cores it cannot use, and the
-    surplus threads made eval.py 10x slower on a busy 2-core machine (issue 13)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(torch.get_num_threads(), cores)
+def find_tokenizer(folder, spec=None):
+    """--tokenizer if given, else the folder's tokenizer.json, else the one train.py recorded in
+    the run's state.json (runs that did not copy tokenizer.json to the top)."""
+    folder = Path(folder)
+    found = spec or (folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None)
+    found = found or recorded_tokenizer(folder)
+    if not found:
+        raise InputError(f"{folder}: no tokenizer.json and no tokenizer recorded in a state.json; "
+                         f"pass --tokenizer (a tokenizer.json, a hub id, or 'bytes')")
+    return load_tokenizer(found)
 
 
-def autocast(device):
-    """bf16 autocast on CUDA, as the runs train; fp32 on CPU, where bf16 is slow and buys nothing."""
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def recorded_tokenizer(folder):
+    """The tokenizer spec in the latest checkpoint's state.json (or a top-level one), or None."""
+    from machinery.rundir import latest_state
+    state = latest_state(str(folder))
+    if state is None and (folder / "state.json").is_file():
+        state = read_json(folder / "state.json", "train.py's state.json")
+    spec = state.get("tokenizer") if isinstance(state, dict) else None
+    return spec if isinstance(spec, str) else None
 
 
-def find_tokenizer(model_dir, spec=None):
-    """--tokenizer if given, else the directory's tokenizer.json, else the spec our trainer records in state.json."""
-    if spec:
-        return load_tokenizer(spec)
-    folder = Path(model_dir)
-    if (folder / "tokenizer.json").is_file():
-        return load_tokenizer(folder / "tokenizer.json")
-    if (folder / "state.json").is_file():
-        recorded = read_object(folder / "state.json").get("tokenizer")
-        if recorded:
-            return load_tokenizer(recorded)
-    raise DataError(f"{model_dir}: no tokenizer.json and no 'tokenizer' in state.json; pass --tokenizer "
-                    f"(a tokenizer.json, a hub id, or 'bytes')")
-
-
-def read_object(path):
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def load_model(path, device, tokenizer=None):
-    """(model in eval mode on device, its tokenizer), after checking that both agree on the special ids."""
-    local = resolve_checkpoint(str(path))
-    tok = find_tokenizer(local, tokenizer)
-    model = ModernBERT.from_pretrained(local).to(device).eval()
-    c = model.config
-    ours, theirs = (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id), (c.cls_token_id, c.sep_token_id,
-                                                                       c.pad_token_id, c.mask_token_id)
+def model_tokenizer(info, spec=None):
+    """The tokenizer of inspect_model's `info` (find_tokenizer), refused when its special ids or
+    its vocabulary do not fit the model's config."""
+    tok = find_tokenizer(info["dir"], spec)
+    c = info["config"]
+    ours = (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id)
+    theirs = (c.cls_token_id, c.sep_token_id, c.pad_token_id, c.mask_token_id)
     if ours != theirs or tok.vocab_size > c.vocab_size:
-        raise DataError(f"{path}: tokenizer {tok.spec} (cls, sep, pad, mask = {ours}, vocab {tok.vocab_size}) does "
-                        f"not fit the model (ids {theirs}, vocab {c.vocab_size}); pass the right --tokenizer")
-    return model, tok
+        raise InputError(f"{info['path']}: tokenizer {tok.spec} (cls, sep, pad, mask = {ours}, "
+                         f"vocab {tok.vocab_size}) does not fit the model (ids {theirs}, vocab "
+                         f"{c.vocab_size}); pass the right --tokenizer")
+    return tok
+
+
+def load_weights(info, device):
+    """The model of inspect_model's `info`, in eval mode on device; refused when a weight is NaN
+    or inf (a diverged run: every score computed from it would be nonsense)."""
+    model = ModernBERT(info["config"])
+    model.load_weights(str(info["dir"] / "model.safetensors"))
+    bad = next((k for k, p in model.state_dict().items() if not torch.isfinite(p).all()), None)
+    if bad:
+        raise InputError(f"{info['path']}: weight {bad} holds NaN or inf; a diverged model cannot "
+                         f"be evaluated")
+    return model.to(device).eval()
 
 
 def pad_batch(seqs, pad_value, device):
@@ -104,17 +114,26 @@ def pad_batch(seqs, pad_value, device):
 
 
 def batches_by_length(seqs, batch_size):
-    """Index arrays of batch_size sequences of similar length (evaluation only: order does not matter there)."""
+    """Index arrays of batch_size sequences of similar length (evaluation: order is free there)."""
     order = np.argsort([len(s) for s in seqs], kind="stable")
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def save(path, obj):
+    """write_json, a full disk or an unwritable folder as one error line (the old file is kept)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(str(path), obj)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+
+
 # ----------------------------------------------------------------------------
-# Metrics, written out here and tested against scikit-learn and seqeval (which are not dependencies)
+# Metrics, written out here and tested against scikit-learn and seqeval (not dependencies)
 
 
 def f1_scores(true, pred):
-    """Macro- and micro-F1 of (n, C) indicator matrices, as sklearn.metrics.f1_score(zero_division=0):
+    """Macro- and micro-F1 of (n, C) indicator matrices, as sklearn's f1_score(zero_division=0):
     per column 2TP / (2TP + FP + FN), and 0 for a column with no true and no predicted positive."""
     true, pred = np.asarray(true, bool), np.asarray(pred, bool)
     tp, fp, fn = (true & pred).sum(0), (~true & pred).sum(0), (true & ~pred).sum(0)
@@ -128,7 +147,7 @@ def f1_scores(true, pred):
 
 
 def label_f1(true, pred):
-    """Single-label F1 over the labels found in either list (sklearn's default `labels`): one-hot columns."""
+    """Single-label F1 over the labels found in either list (sklearn's default `labels`)."""
     labels = sorted(set(true) | set(pred))
     column = {label: i for i, label in enumerate(labels)}
     one_hot = np.eye(len(labels), dtype=bool)
@@ -136,8 +155,8 @@ def label_f1(true, pred):
 
 
 def entities(tags):
-    """Entity spans (type, first, last) of one IOB2 sentence, read as seqeval's default mode reads them: an I-
-    that does not continue an entity of its own type starts a new one, as a B- does."""
+    """Entity spans (type, first, last) of one IOB2 sentence, read as seqeval's default mode reads
+    them: an I- that does not continue an entity of its own type starts a new one, as a B- does."""
     spans, current = [], None  # current: (type, first) of the entity being read
     for i, tag in enumerate([*tags, "O"]):
         prefix, kind = tag[:1], tag[2:]
@@ -150,19 +169,24 @@ def entities(tags):
 
 
 def entity_f1(true, pred):
-    """Micro-F1 over exactly matching (sentence, type, span) entities: seqeval.metrics.f1_score, default mode."""
+    """Micro-F1 over exactly matching (sentence, type, span) entities, as seqeval's f1_score."""
     gold = {(s, *span) for s, tags in enumerate(true) for span in entities(tags)}
     found = {(s, *span) for s, tags in enumerate(pred) for span in entities(tags)}
     return 2 * len(gold & found) / (len(gold) + len(found)) if gold or found else 0.0
 
 
 # ----------------------------------------------------------------------------
-# CKA (SPEC §4): per layer, how similar two models' representations of the same texts are
+# CKA: per layer, how alike two models represent the same texts. The signal is the pair's
+# divergence 1 - CKA against seed noise: the divergence of model A from runs that differ from A
+# only in their training seed (the seed controls).
+
+BAND_RULE = ("outside the band: the pair's 1 - CKA is above that of every seed control at that "
+             "layer (the band spans the controls' min to max)")
 
 
 def linear_cka(X, Y):
-    """Linear CKA of (n, p) and (n, q) features, in float64: float32, or centring after forming the n x n Gram
-    matrices, cancels catastrophically on deep layers, whose features share a large common offset."""
+    """Linear CKA of (n, p) and (n, q) features in float64: float32, or centring after forming the
+    n x n Gram matrices, cancels catastrophically on deep layers, whose features share an offset."""
     X = np.asarray(X, np.float64).reshape(len(X), -1)
     Y = np.asarray(Y, np.float64).reshape(len(Y), -1)
     X, Y = X - X.mean(0), Y - Y.mean(0)
@@ -171,7 +195,8 @@ def linear_cka(X, Y):
 
 @torch.no_grad()
 def layer_means(model, tok, texts, max_len, batch_size, device):
-    """(L, len(texts), d) float64: each text's attention-masked mean of every block output (before final_norm)."""
+    """(L, len(texts), d) float64: each text's attention-masked mean of every block's output
+    (before final_norm)."""
     seqs = [[tok.cls_id, *ids[:max_len - 2], tok.sep_id] for ids in tok.encode_batch(texts)]
     c = model.config
     out = torch.empty(c.num_hidden_layers, len(seqs), c.hidden_size, dtype=torch.float64)
@@ -185,101 +210,120 @@ def layer_means(model, tok, texts, max_len, batch_size, device):
     return out.numpy()
 
 
-def ratio(divergence, control):
-    """Divergence in control units. A control below 1e-12 is float64 rounding of zero: the ratio is then inf
-    (or nan when the pair does not diverge either); Python's json writes these as Infinity / NaN."""
-    if control < 1e-12:
-        return math.inf if divergence >= 1e-12 else math.nan
-    return divergence / control
-
-
 def control_band(divergence, controls):
-    """The seed controls' divergences at one layer, summarised, and where the pair's divergence lies: `outside`
-    the band means above every control and, with three or more controls, also above mean + 2 std (sample std,
-    ddof=1; with fewer controls the std says too little to use)."""
+    """The seed controls' divergences at one layer summarised (sample std, ddof=1); the pair's
+    divergence in units of their mean (None when they do not diverge: below 1e-12 is float64
+    rounding of zero); whether it lies outside the band (BAND_RULE)."""
     c = np.asarray(controls, np.float64)
-    mean, std = float(c.mean()), float(c.std(ddof=1)) if len(c) > 1 else 0.0
-    outside = divergence > c.max() and (len(c) < 3 or divergence > mean + 2 * std)
-    return {"mean": mean, "std": std, "min": float(c.min()), "max": float(c.max()),
-            "ratio": ratio(divergence, mean), "outside": bool(outside)}
+    mean = float(c.mean())
+    return {"mean": mean, "std": float(c.std(ddof=1)) if len(c) > 1 else 0.0,
+            "min": float(c.min()), "max": float(c.max()),
+            "ratio": divergence / mean if mean >= 1e-12 else None,
+            "outside": bool(divergence > c.max())}
 
 
-def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 44), max_len=512, out="cka.json",
-        batch_size=16, tokenizer=None, device=None):
-    """Per-layer CKA of A and B and of A and each seed control (a run differing from A only in its training seed),
-    mean over the sampling seeds (draws of n texts). names: what to call A and B in the table and the figure
-    (default: their directory names). Writes out (JSON, every draw kept) and a PNG beside it; returns the dict.
-
-    Per layer: divergence = 1 - CKA(A, B); the controls' 1 - CKA(A, C_i), their mean, std, min and max;
-    ratio = divergence / mean control divergence; outside_band (see control_band)."""
-    check("cka", locals())
-    device = device or default_device()
+def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 44), max_len=512,
+        out="cka.json", batch_size=16, tokenizer=None, device="auto"):
+    """Per-layer CKA of A and B, and of A and each seed control, mean over the sampling seeds (draws
+    of n texts). names: what to call A and B (default: their folder names). Writes out (JSON, every
+    draw kept) and a PNG beside it; returns the dict (see cka_summary)."""
     pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
     if n > len(pool):
-        raise DataError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
-    names = list(names or [Path(str(p)).name for p in (model_a, model_b)])
-    draws = {seed: np.random.default_rng(seed).choice(len(pool), n, replace=False) for seed in seeds}
-    union = np.unique(np.concatenate(list(draws.values())))  # each text goes through each model once
-    paths = [model_a, model_b, *controls]
-    features = [layer_means(model, tok, [pool[i] for i in union], max_len, batch_size, device)
-                for model, tok in load_models(paths, device, tokenizer)]
-    layers = list(range(len(features[0])))
-
-    def per_layer(other, rows):  # CKA of A with model `other` at every layer, on the texts of one draw
-        return [linear_cka(features[0][layer, rows], features[other][layer, rows]) for layer in layers]
-
+        raise InputError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
+    infos = distinct_models([model_a, model_b, *controls])
+    toks = [model_tokenizer(info, tokenizer) for info in infos]
+    device = pick_device(device)
+    draws = {s: np.random.default_rng(s).choice(len(pool), n, replace=False) for s in seeds}
+    union = np.unique(np.concatenate(list(draws.values())))  # each text through each model once
+    features, chosen = [], [pool[i] for i in union]
+    for info, tok in zip(infos, toks):  # one model in memory at a time
+        model = load_weights(info, device)
+        features.append(layer_means(model, tok, chosen, max_len, batch_size, device))
+        if not np.isfinite(features[-1]).all():
+            raise InputError(f"{info['path']}: its block outputs hold NaN or inf on {texts}")
+        del model
     per_seed = {}
     for seed, draw in draws.items():
         rows = np.searchsorted(union, draw)
-        per_seed[seed] = {"cka": per_layer(1, rows), "control_cka": [per_layer(2 + k, rows) for k in range(len(controls))]}
-    pair = np.array([s["cka"] for s in per_seed.values()])  # (draws, L)
-    result = {"names": names, "layers": layers, "cka": pair.mean(0).tolist(), "divergence": (1 - pair.mean(0)).tolist(),
-              "divergence_std": (1 - pair).std(0).tolist()}  # over the draws
-    if controls:
-        each = 1 - np.mean([s["control_cka"] for s in per_seed.values()], axis=0)  # (controls, L)
-        bands = [control_band(d, each[:, layer]) for layer, d in enumerate(result["divergence"])]
-        result["controls"] = {"paths": list(map(str, controls)), "divergence": each.tolist(),
-                              **{key: [b[key] for b in bands] for key in ("std", "min", "max")}}
-        result["control_divergence"] = [b["mean"] for b in bands]
-        result["ratio"] = [b["ratio"] for b in bands]
-        result["outside_band"] = [b["outside"] for b in bands]
-    result["per_seed"] = per_seed
-    result["args"] = dict(model_a=str(model_a), model_b=str(model_b), controls=list(map(str, controls)),
-                          texts=str(texts), n=n, seeds=list(seeds), max_len=max_len, tokenizer=tokenizer)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_json(str(out), result)
-    print_cka(result)
+        each = [[linear_cka(features[0][layer, rows], f[layer, rows]) for layer in range(len(f))]
+                for f in features[1:]]
+        per_seed[seed] = {"cka": each[0], "control_cka": each[1:]}
+    result = {"names": list(names or [Path(str(p)).name for p in (model_a, model_b)]),
+              **cka_summary(per_seed, len(controls)), "per_seed": per_seed,
+              "args": dict(model_a=str(model_a), model_b=str(model_b), texts=str(texts), n=n,
+                           controls=list(map(str, controls)), seeds=list(seeds), max_len=max_len,
+                           tokenizer=tokenizer)}
+    save(out, result)
+    print(cka_markdown(result))
     plot_cka(result, Path(out).with_suffix(".png"))
     return result
 
 
-def load_models(paths, device, tokenizer):
-    models = [load_model(p, device, tokenizer) for p in paths]
-    depths = [m.config.num_hidden_layers for m, _ in models]
-    if len(set(depths)) > 1:
-        raise DataError(f"models have different numbers of layers: {dict(zip(map(str, paths), depths))}")
-    return models
+def distinct_models(paths):
+    """inspect_model of each path, refused when they differ in depth, or when a seed control
+    (paths[2:]) is a model named before it (same folder or same weights): its band would be 0."""
+    infos = [inspect_model(p) for p in paths]
+    depths = {info["path"]: info["config"].num_hidden_layers for info in infos}
+    if len(set(depths.values())) > 1:
+        raise InputError(f"models have different numbers of layers: {depths}")
+    for i in range(2, len(infos)):
+        for other in infos[:i]:
+            same = "folder" if infos[i]["dir"].resolve() == other["dir"].resolve() else \
+                "weights" if infos[i]["sha256"] == other["sha256"] else None
+            if same:
+                raise InputError(f"--control={infos[i]['path']} has the same {same} as "
+                                 f"{other['path']}; a seed control must be another training run")
+    return infos
 
 
-def print_cka(r):
+def cka_summary(per_seed, n_controls):
+    """Per layer: cka (mean over the draws), divergence = 1 - cka and its std over the draws; with
+    controls, their divergences ("controls": each, std, min, max), control_divergence (their mean),
+    ratio and outside_band (control_band)."""
+    pair = np.array([s["cka"] for s in per_seed.values()])  # (draws, L)
+    r = {"layers": list(range(pair.shape[1])), "cka": pair.mean(0).tolist(),
+         "divergence": (1 - pair.mean(0)).tolist(), "divergence_std": (1 - pair).std(0).tolist()}
+    if n_controls:
+        each = 1 - np.mean([s["control_cka"] for s in per_seed.values()], axis=0)  # (controls, L)
+        bands = [control_band(d, each[:, layer]) for layer, d in enumerate(r["divergence"])]
+        r["controls"] = {"divergence": each.tolist(),
+                         **{key: [b[key] for b in bands] for key in ("std", "min", "max")}}
+        r["control_divergence"] = [b["mean"] for b in bands]
+        r["ratio"] = [b["ratio"] for b in bands]
+        r["outside_band"] = [b["outside"] for b in bands]
+        r["band_rule"] = BAND_RULE
+    return r
+
+
+def cka_markdown(r):
+    """A CKA result as a markdown table, with what 1 - CKA is and the band rule in words."""
     a, b = r["names"]
-    k = len(r.get("controls", {}).get("paths", []))
-    print(f"linear CKA, {a} vs {b}" + (f" ({k} seed controls of {a})" if k else "")
-          + f", mean of {len(r['per_seed'])} draws of {r['args']['n']} texts")
-    print(f"{'layer':>5} {'CKA':>10} {'1 - CKA':>10}" + (f" {'control':>10} {'± std':>9} {'ratio':>8}" if k else ""))
-    for layer in r["layers"]:
-        line = f"{layer:>5} {r['cka'][layer]:>10.6f} {r['divergence'][layer]:>10.3e}"
-        if k:
-            line += (f" {r['control_divergence'][layer]:>10.3e} {r['controls']['std'][layer]:>9.2e} "
-                     f"{r['ratio'][layer]:>8.2f}{'  outside the control band' if r['outside_band'][layer] else ''}")
-        print(line)
-    if k:
-        print("outside the control band: above every control" + (" and above mean + 2 std" if k >= 3 else ""))
+    k = len(r.get("controls", {}).get("divergence", []))
+    controls = f"; {k} seed control(s): runs that differ from {a} only in the training seed"
+    lines = [f"1 - linear CKA of {a} vs {b} per layer: 0 when they represent the same texts alike "
+             f"up to rotation and scale, towards 1 when unrelated. Mean of {len(r['per_seed'])} "
+             f"draws of {r['args']['n']} texts{controls if k else ''}.", ""]
+    if not k:
+        lines += ["| layer | CKA | 1 - CKA | ± std over draws |", "|---|---|---|---|"]
+        lines += [f"| {i} | {r['cka'][i]:.6f} | {r['divergence'][i]:.3e} | "
+                  f"{r['divergence_std'][i]:.1e} |" for i in r["layers"]]
+        return "\n".join(lines) + "\n"
+    c = r["controls"]
+    lines += [f"| layer | 1 - CKA, {a} vs {b} | seed controls, mean ± std | controls, min - max "
+              f"| ratio | outside the band |", "|---|---|---|---|---|---|"]
+    for i in r["layers"]:
+        ratio = "-" if r["ratio"][i] is None else f"{r['ratio'][i]:.2f}"
+        lines.append(f"| {i} | {r['divergence'][i]:.3e} | {r['control_divergence'][i]:.3e} ± "
+                     f"{c['std'][i]:.1e} | {c['min'][i]:.3e} - {c['max'][i]:.3e} | {ratio} | "
+                     f"{'yes' if r['outside_band'][i] else 'no'} |")
+    lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean; {BAND_RULE}."]
+    return "\n".join(lines) + "\n"
 
 
 def plot_cka(r, path):
-    """Two panels, as a paper shows them: the ratio per layer against the controls' band (each control over their
-    mean), and the divergences with their spread (the pair's over the draws, the controls' min-max and std)."""
+    """Left: 1 - CKA per layer, the pair's against the seed controls' band; right (with controls):
+    the same in units of the controls' mean. Layers outside the band are starred; what 1 - CKA is
+    and the band rule are written under the panels."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display on a training node
@@ -288,107 +332,63 @@ def plot_cka(r, path):
         print("matplotlib is not installed: no figure (the JSON has every number)")
         return
     a, b = r["names"]
-    layers, controls = r["layers"], r.get("controls")
-    fig, axes = plt.subplots(1, 2 if controls else 1, figsize=(11 if controls else 6, 3.8), squeeze=False)
-    if controls:
-        ax, mean = axes[0, 0], np.array(r["control_divergence"])
-        ax.fill_between(layers, np.array(controls["min"]) / mean, np.array(controls["max"]) / mean, alpha=0.25,
-                        color="gray", label=f"{a} seed controls (min-max)")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.plot(layers, r["ratio"], "o-", label=f"{a} vs {b}")
-        outside = [layer for layer in layers if r["outside_band"][layer]]
-        ax.plot(outside, [r["ratio"][layer] for layer in outside], "r*", ms=10, label="outside the control band")
-        if all(0 < x < math.inf for x in r["ratio"]):
-            ax.set_yscale("log")  # 1x to 44x in the paper
-        ax.set(xlabel="layer", ylabel="divergence / mean control divergence", title="divergence in seed-noise units")
-        ax.legend(fontsize=8)
-    ax = axes[0, -1]
-    ax.errorbar(layers, r["divergence"], yerr=r["divergence_std"], fmt="o-", capsize=3, label=f"{a} vs {b}")
-    if controls:
-        ax.fill_between(layers, controls["min"], controls["max"], alpha=0.25, color="gray")
-        ax.errorbar(layers, r["control_divergence"], yerr=controls["std"], fmt="s--", color="gray", capsize=3,
-                    label=f"{a} vs its seed controls (mean ± std, min-max)")
+    layers, c = r["layers"], r.get("controls")
+    fig, axes = plt.subplots(1, 2 if c else 1, figsize=(12 if c else 6.5, 4.8), squeeze=False)
+    ax = axes[0, 0]
+    ax.errorbar(layers, r["divergence"], yerr=r["divergence_std"], fmt="o-", color="C0",
+                capsize=3, label=f"{a} vs {b} (bars: std over the text draws)")
+    if c:
+        draw_band(ax, r, c["min"], c["max"], r["control_divergence"], r["divergence"])
+        ax.errorbar(layers, r["control_divergence"], yerr=c["std"], fmt="none", color="grey",
+                    capsize=2, label="seed controls' std")
     if min(r["divergence"] + r.get("control_divergence", [])) > 0:
-        ax.set_yscale("log")  # the paper's ratios span 1x to 44x
-    ax.set(xlabel="layer", ylabel="1 - linear CKA", title="representation divergence by layer")
+        ax.set_yscale("log")
+    ax.set(xlabel="layer (block output)", ylabel="1 - linear CKA",
+           title="representation divergence")
+    if c:
+        ax, mean = axes[0, 1], np.array(r["control_divergence"])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            low, high = np.array(c["min"]) / mean, np.array(c["max"]) / mean
+        ratio = [np.nan if x is None else x for x in r["ratio"]]
+        draw_band(ax, r, low, high, np.ones(len(layers)), ratio)
+        ax.plot(layers, ratio, "o-", color="C0", label=f"{a} vs {b}")
+        ax.set(xlabel="layer (block output)", ylabel="1 - CKA over the controls' mean",
+               title="divergence in seed-noise units (ratio)")
     for ax in axes[0]:
         ax.set_xticks(layers)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+        ax.legend(fontsize=7)
+    note = "1 - CKA: 0 = the same representation up to rotation and scale, 1 = unrelated."
+    rule = f" {BAND_RULE[0].upper()}{BAND_RULE[1:]}." if c else ""
+    fig.text(0.5, 0.01, note + rule, ha="center", fontsize=7)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    try:
+        fig.savefig(path, dpi=150)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     print(f"wrote {path}")
 
 
+def draw_band(ax, r, low, high, mean, pair):
+    """The controls' band (min to max) and mean, and a star on each layer the pair lies outside."""
+    layers = r["layers"]
+    ax.fill_between(layers, low, high, color="grey", alpha=0.3,
+                    label="the band: seed controls, min to max")
+    ax.plot(layers, mean, "s--", color="grey", ms=4, label="seed controls' mean")
+    outside = [layer for layer in layers if r["outside_band"][layer]]
+    ax.plot(outside, [pair[layer] for layer in outside], "*", color="red", ms=12, ls="none",
+            label=f"outside the band ({len(outside)} of {len(layers)} layers)")
+
+
 # ----------------------------------------------------------------------------
-# Tasks: token<TAB>tag files (token classification) or JSONL (sequence classification), checked in full
-# before any training, so that a typo in a test file does not cost a run. Everything that differs between the
-# kinds (reading, targets, loss, decoding, metrics, majority baseline) lives in one class per kind; a new kind is
-# a new class and one line in read_task.
+# Task kinds. What differs between them (targets, loss, decoding, metrics, majority baseline) is
+# one class; a new kind is a class and an entry in KINDS (and, for a new file format, a reader in
+# machinery/tasks.py). Targets are built over train's labels. A dev or test label that train lacks
+# (read_task warns once per label) gets the target UNSEEN, is never predicted and counts as missed:
+# the same for every kind.
 
-SPLITS = ("train", "dev", "test")
-
-
-def lines(path):
-    """(number, line) of a UTF-8 text file, a byte-order mark dropped (spreadsheet exports write one); invalid
-    UTF-8 is an error naming the line."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
-
-
-def read_tsv(path):
-    """Sentences of an IOB2 token<TAB>tag file, a blank line between sentences; spaces around a tag are dropped."""
-    sentences, words, tags, first = [], [], [], 0
-    for number, line in lines(path):
-        if not line.strip():
-            if words:
-                sentences.append({"words": words, "label": tags, "line": first})
-                words, tags = [], []
-            continue
-        parts = line.split("\t")
-        tag = parts[-1].strip()
-        iob2 = len(parts) == 2 and (tag == "O" or tag[:2] in ("B-", "I-") and len(tag) > 2)
-        if not iob2 or not parts[0]:
-            raise DataError(f"{path}:{number}: expected token<TAB>tag with an IOB2 tag (O, B-type, I-type), "
-                            f"got {line!r}")
-        first = first if words else number
-        words.append(parts[0])
-        tags.append(tag)
-    return sentences + ([{"words": words, "label": tags, "line": first}] if words else [])
-
-
-def label_text(label):
-    """Labels are names: integer class ids (as many datasets ship them) are read as their decimal strings."""
-    is_int = isinstance(label, int) and not isinstance(label, bool)
-    return str(label) if is_int else label
-
-
-def read_jsonl(path, labelled=True):
-    """Examples of a JSONL file: text, optional text_pair, label (a string or an integer, or a list of them:
-    multi-label)."""
-    examples = []
-    for number, line in lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
-        row = row if isinstance(row, dict) else {}
-        label = row.get("label")
-        label = [label_text(x) for x in label] if isinstance(label, list) else label_text(label)
-        ok = isinstance(row.get("text"), str) and isinstance(row.get("text_pair") or "", str)
-        if labelled:
-            ok = ok and isinstance(label, (str, list)) and all(isinstance(x, str) for x in label)
-        if not ok:
-            raise DataError(f"{path}:{number}: expected an object with 'text' (a string)" + (", 'label' (a string "
-                            "or an integer, or a list of them) and optionally 'text_pair' (a string)" if labelled else ""))
-        examples.append({"text": row["text"], "text_pair": row.get("text_pair"), "label": label, "line": number})
-    return examples
+UNSEEN = -1  # never in a loss: train holds no such label
 
 
 def cross_entropy(logits, targets):
@@ -400,18 +400,17 @@ def most_common(labels):
 
 
 class TokenClassification:
-    """IOB2 tags, one per word, predicted on the word's first sub-token; entity-level F1 as seqeval computes it."""
+    """IOB2 tags, one per word, predicted on the word's first sub-token; entity F1 as seqeval."""
     name, primary, epochs, per_token = "token", "entity_f1", 20, True
 
-    def labels_of(self, example):  # (label, line) pairs, for the label-set checks
-        return [(tag, example["line"] + k) for k, tag in enumerate(example["label"])]
-
     def encode(self, labels, examples, tok, max_len):
-        """(ids, target) per sentence, target the tag's class on a word's first sub-token and -100 elsewhere.
-        Whole words only: a word cut by max_len goes with all that follow it (they count as predicted "O")."""
+        """(ids, target) per sentence, target the tag's class on a word's first sub-token and -100
+        elsewhere. Whole words only: a word cut by max_len goes with all that follow it (they count
+        as predicted "O")."""
         column = {label: i for i, label in enumerate(labels)}
-        # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space in the token.
-        pieces = iter(tok.encode_batch([w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]))
+        # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space.
+        words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]
+        pieces = iter(tok.encode_batch(words))
         out = []
         for ex in examples:
             ids, target = [tok.cls_id], [IGNORE_INDEX]
@@ -419,7 +418,7 @@ class TokenClassification:
                 if len(ids) + len(word) > max_len - 1:
                     break
                 ids += word
-                target += [column[tag]] + [IGNORE_INDEX] * (len(word) - 1)
+                target += [column.get(tag, UNSEEN)] + [IGNORE_INDEX] * (len(word) - 1)
             out.append((ids + [tok.sep_id], target + [IGNORE_INDEX]))
         return out
 
@@ -427,12 +426,14 @@ class TokenClassification:
         return pad_batch(targets, IGNORE_INDEX, device)[0]  # (B, T)
 
     def truncation(self, examples, encoded, max_len):
-        cut = [len(ex["words"]) - sum(t != IGNORE_INDEX for t in target) for ex, (_, target) in zip(examples, encoded)]
-        return f"--max_len={max_len} cuts {sum(cut):,} words in {sum(c > 0 for c in cut):,} of {len(cut):,} sentences"
+        cut = [len(ex["words"]) - sum(t != IGNORE_INDEX for t in target)
+               for ex, (_, target) in zip(examples, encoded)]
+        return (f"--max_len={max_len} cuts {sum(cut):,} words in {sum(c > 0 for c in cut):,} of "
+                f"{len(cut):,} sentences")
 
     loss = staticmethod(cross_entropy)
 
-    def decode(self, logits, target, example, labels):  # logits (T, C); the first sub-tokens are where target is set
+    def decode(self, logits, target, example, labels):  # logits (T, C); target set: first pieces
         words = logits[target != IGNORE_INDEX].argmax(-1).tolist()
         return [labels[k] for k in words] + ["O"] * (len(example["words"]) - len(words))
 
@@ -440,13 +441,13 @@ class TokenClassification:
         flat = label_f1([t for tags in gold for t in tags], [t for tags in preds for t in tags])
         return {"entity_f1": entity_f1(gold, preds), **flat}
 
-    def majority(self, train, examples, labels):
+    def majority(self, train, examples):
         top = most_common(t for ex in train for t in ex["label"])
         return [[top] * len(ex["words"]) for ex in examples]
 
 
 class SequenceClassification:
-    """What the JSONL kinds share: [CLS] text [SEP] (text_pair [SEP]), one target per example, macro-F1."""
+    """What the JSONL kinds share: [CLS] text [SEP] (text_pair [SEP]), one target per example."""
     primary, epochs, per_token = "macro_f1", 10, False
 
     def encode(self, labels, examples, tok, max_len):
@@ -465,21 +466,24 @@ class SequenceClassification:
     def stack(self, targets, device):
         return torch.tensor(targets, device=device)  # (B,) or (B, C)
 
-    def truncation(self, examples, encoded, max_len):  # a text exactly max_len long is counted too: rare enough
+    def truncation(self, examples, encoded, max_len):  # exactly max_len long counts: rare enough
         full = sum(len(ids) >= max_len for ids, _ in encoded)
-        return f"--max_len={max_len}: {full:,} of {len(encoded):,} examples fill it (their text is cut)"
+        return f"--max_len={max_len}: {full:,} of {len(encoded):,} examples fill it (text is cut)"
+
+
+def fit_pair(a, b, budget):
+    """Cut the longer of two id lists first, a token at a time (ties cut b), to fit the budget."""
+    kept_b = min(len(b), max(budget // 2, budget - len(a)))
+    return a[:budget - kept_b], b[:kept_b]
 
 
 class SingleLabel(SequenceClassification):
-    """One label per example: softmax over the labels."""
+    """One label per example: softmax over the labels; macro-F1."""
     name = "single"
     loss = staticmethod(cross_entropy)
 
-    def labels_of(self, example):
-        return [(example["label"], example["line"])]
-
     def target(self, label, labels):
-        return labels.index(label)
+        return labels.index(label) if label in labels else UNSEEN
 
     def decode(self, logits, target, example, labels):
         return labels[logits.argmax()]
@@ -487,19 +491,17 @@ class SingleLabel(SequenceClassification):
     def score(self, gold, preds, labels):
         return label_f1(gold, preds)
 
-    def majority(self, train, examples, labels):
+    def majority(self, train, examples):
         top = most_common(ex["label"] for ex in train)
         return [top for _ in examples]
 
 
 class MultiLabel(SequenceClassification):
-    """A list of labels per example (possibly empty): a sigmoid per label, predicted when its logit is > 0."""
+    """A list of labels per example (possibly empty): a sigmoid per label, predicted when its logit
+    is > 0; macro-F1 over the task's label columns."""
     name = "multi"
 
-    def labels_of(self, example):
-        return [(label, example["line"]) for label in example["label"]]
-
-    def target(self, label, labels):
+    def target(self, label, labels):  # an unseen label has no column: it only enters the score
         return [float(x in label) for x in labels]
 
     def loss(self, logits, targets):
@@ -512,73 +514,36 @@ class MultiLabel(SequenceClassification):
         indicator = lambda sets: [[label in s for label in labels] for s in sets]
         return f1_scores(indicator(gold), indicator(preds))
 
-    def majority(self, train, examples, labels):  # every label that more than half of the train examples carry
+    def majority(self, train, examples):  # every label more than half of the train examples carry
         counts = Counter(x for ex in train for x in ex["label"])
-        return [[x for x in labels if counts[x] > len(train) / 2] for _ in examples]
+        return [sorted(x for x in counts if counts[x] > len(train) / 2) for _ in examples]
 
 
-def read_task(folder):
-    """{"name", "kind" (one of the classes above), "labels", "files", "train", "dev", "test"} of a task folder."""
-    folder = Path(folder)
-    found = {ext for ext in (".tsv", ".jsonl") for s in SPLITS if (folder / f"{s}{ext}").is_file()}
-    if len(found) != 1:
-        raise DataError(f"{folder}: expected train/dev/test.tsv (token classification) or train/dev/test.jsonl "
-                        f"(sequence classification), found {'both' if found else 'neither'}")
-    ext = found.pop()
-    files = {s: folder / f"{s}{ext}" for s in SPLITS}
-    for split, path in files.items():
-        if not path.is_file():
-            raise DataError(f"{folder}: missing {path.name} (a task needs {', '.join(p.name for p in files.values())})")
-    examples = {s: (read_tsv if ext == ".tsv" else read_jsonl)(p) for s, p in files.items()}
-    for split in SPLITS:
-        if not examples[split]:
-            raise DataError(f"{files[split]}: no examples")
-    multi = isinstance(examples["train"][0]["label"], list)
-    kind = TokenClassification() if ext == ".tsv" else MultiLabel() if multi else SingleLabel()
-    known, unseen = set(), {}
-    for split in SPLITS:  # train defines the label set (the classifier's outputs)
-        for ex in examples[split]:
-            if ext == ".jsonl" and isinstance(ex["label"], list) != multi:
-                raise DataError(f"{files[split]}:{ex['line']}: label {ex['label']!r} mixes single-label and "
-                                f"multi-label examples (the first train example decides)")
-            for label, line in kind.labels_of(ex):
-                if split == "train":
-                    known.add(label)
-                elif label not in known and (split, label) not in unseen:
-                    unseen[split, label] = f"{files[split]}:{line}: label {label!r} does not occur in {files['train']}"
-    if not known:
-        raise DataError(f"{files['train']}: no labels at all")
-    for message in unseen.values():  # a real test set can hold a rare label that train lacks: it costs recall
-        print(f"warning: {message}; it is never predicted and counts as missed", file=sys.stderr)
-    labels = sorted(known)
-    return {"name": folder.name, "kind": kind, "labels": labels, "files": {s: str(p) for s, p in files.items()},
-            "scored": labels + sorted({label for _, label in unseen}), **examples}
-
-
-def fit_pair(a, b, budget):
-    """Truncate the longer of two id lists first, one token at a time (ties cut b), to len(a) + len(b) <= budget."""
-    kept_b = min(len(b), max(budget // 2, budget - len(a)))
-    return a[:budget - kept_b], b[:kept_b]
-
+KINDS = {kind.name: kind for kind in (TokenClassification(), SingleLabel(), MultiLabel())}
 
 # ----------------------------------------------------------------------------
-# Fine-tuning (SPEC §5)
+# Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16, 10
+# epochs (20 for token classification); the epoch with the best dev score is scored on test.
 
 
 @dataclass
 class Settings:
     """What every (task, seed) run of one `finetune` call shares."""
-    epochs: int  # None: the kind's default (SPEC §5)
+    epochs: int  # None: the task kind's default
     lr: float
+    max_len: int
     batch_size: int
     pooling: str
+    train_subset: int  # None: every example
+    eval_subset: int
     pad_id: int
-    device: str
+    device: torch.device
 
 
 class Classifier(nn.Module):
-    """Encoder, its pretrained head transform (dense, GELU, norm: as HF's ModernBert*Classification), dropout,
-    and a linear layer, on the pooled vector (sequence tasks) or on every token (token tasks)."""
+    """Encoder, its pretrained head transform (dense, GELU, norm: as HF's
+    ModernBert*Classification), dropout and a linear layer, on the pooled vector (sequence tasks)
+    or on every token (token tasks)."""
 
     def __init__(self, encoder, n_labels, per_token, pooling="cls", dropout=0.0):
         super().__init__()
@@ -603,20 +568,28 @@ def collate(batch, kind, pad_id, device):
     return ids, mask, kind.stack([t for _, t in batch], device)
 
 
+def diverged(task, s, what):
+    return InputError(f"{task['name']}: {what} (the fine-tuning diverged: try a lower --lr than "
+                      f"{s.lr})")
+
+
 @torch.no_grad()
 def evaluate(model, task, split, s):
-    """(metrics, predictions) on split = (examples, encoded); a prediction is a label, a list of labels, or one tag
-    per word."""
+    """(metrics, predictions) on split = (examples, encoded); a prediction is a label, a list of
+    labels, or one tag per word."""
     examples, encoded = split
+    kind = KINDS[task["kind"]]
     model.eval()
     preds = [None] * len(encoded)
     for idx in batches_by_length([ids for ids, _ in encoded], s.batch_size):
-        ids, mask, targets = collate([encoded[i] for i in idx], task["kind"], s.pad_id, s.device)
+        ids, mask, targets = collate([encoded[i] for i in idx], kind, s.pad_id, s.device)
         with autocast(s.device):
             logits = model(ids, mask).float().cpu()
+        if not torch.isfinite(logits).all():
+            raise diverged(task, s, "the classifier's outputs hold NaN or inf")
         for row, i in enumerate(idx):
-            preds[i] = task["kind"].decode(logits[row], targets[row].cpu(), examples[i], task["labels"])
-    return task["kind"].score([ex["label"] for ex in split[0]], preds, task["scored"]), preds
+            preds[i] = kind.decode(logits[row], targets[row].cpu(), examples[i], task["labels"])
+    return kind.score([ex["label"] for ex in examples], preds, task["scored"]), preds
 
 
 def optimizer_for(model, lr):
@@ -627,21 +600,24 @@ def optimizer_for(model, lr):
 
 
 def train_seed(base, task, data, seed, s):
-    """Fine-tune a copy of base on data["train"] = (examples, encoded); the epoch with the best dev primary metric
-    is evaluated on test. Returns {"dev", "best_epoch", "test", "seconds"} and the test predictions."""
-    kind, epochs = task["kind"], task["kind"].epochs if s.epochs is None else s.epochs  # 0 is refused by check()
+    """Fine-tune a copy of base on data["train"] = (examples, encoded); the epoch with the best dev
+    primary metric is scored on test. Returns {"dev", "best_epoch", "test", "seconds"} and the test
+    predictions."""
+    kind = KINDS[task["kind"]]
+    epochs = kind.epochs if s.epochs is None else s.epochs
     torch.manual_seed(seed)  # the classifier init and dropout
-    model = Classifier(copy.deepcopy(base), len(task["labels"]), kind.per_token, s.pooling).to(s.device)
+    model = Classifier(copy.deepcopy(base), len(task["labels"]), kind.per_token, s.pooling)
+    model = model.to(s.device)
     optimizer = optimizer_for(model, s.lr)
     train = data["train"][1]
-    per_epoch = math.ceil(len(train) / s.batch_size)
-    # linear decay to 0 and no warmup: with few steps per epoch a warmup would take a large share of the run
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (epochs * per_epoch))
+    steps = epochs * math.ceil(len(train) / s.batch_size)
+    # linear decay to 0 and no warmup: with few steps per epoch a warmup would take a large share
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     shuffle = torch.Generator().manual_seed(seed)
     best, start = None, time.time()
     for epoch in range(1, epochs + 1):
         model.train()
-        total = torch.zeros((), device=s.device)
+        losses = []
         for idx in torch.randperm(len(train), generator=shuffle).split(s.batch_size):
             ids, mask, targets = collate([train[i] for i in idx], kind, s.pad_id, s.device)
             with autocast(s.device):
@@ -649,217 +625,235 @@ def train_seed(base, task, data, seed, s):
             loss = kind.loss(logits.float(), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's default max_grad_norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's max_grad_norm
             optimizer.step()
             schedule.step()
-            total += loss.detach()
+            losses.append(loss.detach())
+        train_loss = torch.stack(losses).mean().item()
+        if not math.isfinite(train_loss):
+            raise diverged(task, s, f"seed {seed} epoch {epoch}: train loss {train_loss}")
         dev, _ = evaluate(model, task, data["dev"], s)
         better = best is None or dev[kind.primary] > best["dev"][kind.primary]
         if better:  # the best epoch's weights, kept in memory
             best = {"dev": dev, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
-        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {total.item() / per_epoch:.4f}, dev {kind.primary} "
-              f"{dev[kind.primary]:.4f}{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
+        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {train_loss:.4f}, dev "
+              f"{kind.primary} {dev[kind.primary]:.4f}{' (best)' if better else ''}, "
+              f"{time.time() - start:.0f} s", flush=True)
     model.load_state_dict(best.pop("state"))
     test, preds = evaluate(model, task, data["test"], s)
     return {**best, "test": test, "seconds": round(time.time() - start, 2)}, preds
 
 
 def subset(examples, n):
-    """n examples drawn with a fixed seed (the same for every run seed); all when n is None or too large."""
+    """n examples drawn with a fixed seed (the same for every run seed); all when n is None."""
     if n is None or n >= len(examples):
         return examples
-    return [examples[i] for i in np.sort(np.random.default_rng(0).choice(len(examples), n, replace=False))]
+    drawn = np.random.default_rng(0).choice(len(examples), n, replace=False)
+    return [examples[i] for i in np.sort(drawn)]
 
 
-def summarize(task, runs, baseline, epochs):
-    """A task's entry in the results file: every seed, mean and sample std (ddof=1, as papers report; 0 for one
-    seed) of each test metric, and the majority baseline."""
-    values = {m: [r["test"][m] for r in runs.values()] for m in next(iter(runs.values()))["test"]}
-    return {"task": task["name"], "kind": task["kind"].name, "labels": task["labels"], "primary": task["kind"].primary,
-            "epochs": epochs, "seeds": runs, "mean": {m: float(np.mean(v)) for m, v in values.items()},
-            "std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()},
-            "baseline": {"test": baseline}}
-
-
-def seed_result(base, task, data, seed, s, path, setting):
-    """A (task, seed) result: read from path when an earlier call wrote it with the same setting, else trained
-    now and written at once, with the test predictions."""
-    if path.is_file():
-        saved = read_object(path)
-        if saved.get("setting") != json.loads(json.dumps(setting)) or "result" not in saved:
-            raise DataError(f"{path}: written with other settings ({saved.get('setting')}); delete it or choose "
-                            f"another --out")
-        print(f"  seed {seed}: skip, done in {path}")
-        return saved["result"]
-    result, predictions = train_seed(base, task, data, seed, s)
-    write_json(str(path), {"setting": setting, "result": result, "predictions": predictions})
-    return result
-
-
-def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5, max_len=512,
-             train_subset=None, eval_subset=None, batch_size=16, pooling="cls", device=None, tokenizer=None):
-    """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and returns it.
-    Each (task, seed) is written as soon as it is done, with its test predictions, to <out stem>.seeds/<task>-seed<N>
-    .json; a later call with the same settings skips the pairs found there (an interrupted evaluation resumes)."""
-    device = device or default_device()
+def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5,
+             max_len=512, train_subset=None, eval_subset=None, batch_size=16, pooling="cls",
+             device="auto", tokenizer=None):
+    """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and
+    returns it. Each (task, seed) is written with its test predictions to OUT.seeds/ when done,
+    under a name keyed on a fingerprint of the settings, the model's weights and the task files'
+    contents: a later call reuses exactly the pairs whose inputs did not change."""
     tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
-    check("finetune", locals())
     names = [t["name"] for t in tasks]
     if len(set(names)) < len(names):
-        raise DataError(f"task folders must have distinct names, got {names}")
-    base, tok = load_model(model, device, tokenizer)
-    settings = Settings(epochs, lr, batch_size, pooling, tok.pad_id, device)
-    args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len, train_subset=train_subset,
-                eval_subset=eval_subset, batch_size=batch_size, pooling=pooling, tokenizer=tok.spec)
-    results = {"model": str(model), "args": args, "tasks": {}}
+        raise InputError(f"task folders must have distinct names, got {names}")
+    if len(set(seeds)) < len(seeds):
+        raise InputError(f"seeds must be distinct (a seed run twice counts twice): {list(seeds)}")
+    info = inspect_model(model)
+    tok = model_tokenizer(info, tokenizer)
+    device = pick_device(device)
     seed_dir = Path(out).with_suffix(".seeds")
-    seed_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a folder that cannot be written is found before any training
+        seed_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{seed_dir}: cannot create it ({e.strerror or e})") from None
+    base = load_weights(info, device)
+    s = Settings(epochs, lr, max_len, batch_size, pooling, train_subset, eval_subset, tok.pad_id,
+                 device)
+    args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len,
+                train_subset=train_subset, eval_subset=eval_subset, batch_size=batch_size,
+                pooling=pooling, tokenizer=tok.spec)
+    inputs = {**args, "model": info["sha256"], "config": repr(info["config"]), "seeds": None,
+              "tokenizer": tok.fingerprint, "device": device.type}  # what the numbers depend on
+    results = {"model": str(model), "args": args, "tasks": {}}
     for task in tasks:
-        kind = task["kind"]
-        examples = {split: subset(task[split], train_subset if split == "train" else eval_subset) for split in SPLITS}
-        data = {split: (examples[split], kind.encode(task["scored"], examples[split], tok, max_len)) for split in SPLITS}
-        n_epochs = kind.epochs if epochs is None else epochs
-        print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
-              f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples, {n_epochs} epochs")
-        print("  train, dev and test: " + kind.truncation([ex for split in SPLITS for ex in data[split][0]],
-                                                          [e for split in SPLITS for e in data[split][1]], max_len))
-        setting = {**args, "seeds": None, "task": task["files"]}  # what a seed file must match to be reused
-        runs = {str(seed): seed_result(base, task, data, seed, settings, seed_dir / f"{task['name']}-seed{seed}.json", setting)
-                for seed in seeds}
-        test = examples["test"]
-        baseline = kind.score([ex["label"] for ex in test], kind.majority(task["train"], test, task["labels"]),
-                              task["scored"])
-        summary = results["tasks"][task["name"]] = summarize(task, runs, baseline, n_epochs)
-        write_json(str(out), results)
-        shown = ", ".join(f"{m} {100 * summary['mean'][m]:.2f} ± {100 * summary['std'][m]:.2f}" for m in summary["mean"])
-        print(f"{task['name']}: test {shown} over {len(seeds)} seeds; majority baseline {kind.primary} "
-              f"{100 * baseline[kind.primary]:.2f}")
+        results["tasks"][task["name"]] = finetune_task(base, tok, task, seeds, s, inputs, seed_dir)
+        save(out, results)
     return results
 
 
-def load_results(path):
-    tasks = read_object(path).get("tasks")
-    if not isinstance(tasks, dict):
-        raise DataError(f"{path}: not a results file of `eval.py finetune` (no 'tasks' object)")
-    return tasks
+def finetune_task(base, tok, task, seeds, s, inputs, seed_dir):
+    """One task: encoded, fine-tuned once per seed (or a seed's saved result reused), summarised
+    beside the majority baseline: mean and sample std (ddof=1; 0 for one seed) of each metric."""
+    kind = KINDS[task["kind"]]
+    examples = {split: subset(task[split], s.train_subset if split == "train" else s.eval_subset)
+                for split in SPLITS}
+    data = {split: (examples[split], kind.encode(task["labels"], examples[split], tok, s.max_len))
+            for split in SPLITS}
+    epochs = kind.epochs if s.epochs is None else s.epochs
+    print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
+          f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples, {epochs} epochs")
+    every = [[x for split in SPLITS for x in data[split][part]] for part in (0, 1)]
+    print("  train, dev and test: " + kind.truncation(*every, s.max_len))
+    inputs = {**inputs, "task": task["name"], "kind": kind.name, "sha256": task["sha256"]}
+    runs = {str(seed): seed_result(base, task, data, seed, s, inputs, seed_dir) for seed in seeds}
+    gold = [ex["label"] for ex in examples["test"]]
+    baseline = kind.score(gold, kind.majority(task["train"], examples["test"]), task["scored"])
+    values = {m: [r["test"][m] for r in runs.values()] for m in baseline}
+    mean = {m: float(np.mean(v)) for m, v in values.items()}
+    std = {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()}
+    print(f"{task['name']}: test {kind.primary} {100 * mean[kind.primary]:.2f} ± "
+          f"{100 * std[kind.primary]:.2f} over {len(seeds)} seeds; majority baseline "
+          f"{100 * baseline[kind.primary]:.2f}")
+    return {"task": task["name"], "kind": kind.name, "labels": task["labels"],
+            "primary": kind.primary, "epochs": epochs, "files": task["files"],
+            "sha256": task["sha256"], "seeds": runs, "mean": mean, "std": std,
+            "baseline": {"test": baseline}}
 
 
-def paired_difference(a_json, b_json):
-    """B - A per task on the primary metric, seed by seed over the seeds both ran (the same seed means the same
-    classifier init and data order, so the pairing removes that noise): {task: {"metric", "seeds", "difference"
-    (per seed), "mean", "std" (ddof=1; 0 for one seed)}}. Tasks without a shared seed are left out."""
-    a, b = load_results(a_json), load_results(b_json)
+def seed_result(base, task, data, seed, s, inputs, seed_dir):
+    """A (task, seed) result: read from its file when an earlier call computed it from the same
+    inputs, else trained now and written at once with the test predictions (each example's index
+    and line in the test file, gold label, prediction)."""
+    key = {**inputs, "seed": seed}
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
+    if path.is_file():
+        saved = read_json(path, "a fine-tuning result of `eval.py finetune`")
+        ok = isinstance(saved, dict) and saved.get("fingerprint") == fingerprint
+        result = saved.get("result") if ok else None
+        if not scores_ok(result):
+            raise InputError(f"{path}: not a result this command wrote; delete it")
+        print(f"  seed {seed}: skip, done in {path} (same settings, model and task files)")
+        return result
+    result, preds = train_seed(base, task, data, seed, s)
+    predictions = [{"index": ex["index"], "line": ex["line"], "gold": ex["label"], "pred": p}
+                   for ex, p in zip(data["test"][0], preds)]
+    save(path, {"fingerprint": fingerprint, "inputs": key, "result": result,
+                "predictions": predictions})
+    return result
+
+
+def scores_ok(result):
+    """Whether a seed's result holds dev and test scores that are all finite numbers."""
+    return isinstance(result, dict) and all(
+        isinstance(result.get(split), dict) and result[split]
+        and all(is_number(v) for v in result[split].values()) for split in ("dev", "test"))
+
+
+# ----------------------------------------------------------------------------
+# Result tables: fine-tuning arms side by side, against the majority baseline, paired seed by seed
+
+
+def paired_difference(a, b):
+    """B - A per task on the primary metric, seed by seed over the seeds both ran (the same seed is
+    the same classifier init and data order, so pairing removes that noise). a, b: results of
+    `finetune` or their files. {task: {"metric", "seeds", "difference" (per seed), "mean", "std"
+    (ddof=1; 0 for one seed), "wins" (seeds where B is higher, A is higher, they tie)}}; a task
+    without a shared seed is left out."""
+    a, b = (x if isinstance(x, dict) else load_results(x) for x in (a, b))
     out = {}
-    for name in [n for n in a if n in b]:
-        metric, seeds = a[name]["primary"], [s for s in a[name]["seeds"] if s in b[name]["seeds"]]
-        diff = [b[name]["seeds"][s]["test"][metric] - a[name]["seeds"][s]["test"][metric] for s in seeds]
+    for name in [n for n in a["tasks"] if n in b["tasks"]]:
+        ta, tb = a["tasks"][name], b["tasks"][name]
+        metric, seeds = ta["primary"], [s for s in ta["seeds"] if s in tb["seeds"]]
+        diff = [score(tb["seeds"][s], metric) - score(ta["seeds"][s], metric) for s in seeds]
         if diff:
-            out[name] = {"metric": metric, "seeds": seeds, "difference": diff, "mean": float(np.mean(diff)),
-                         "std": float(np.std(diff, ddof=1)) if len(diff) > 1 else 0.0}
+            out[name] = {"metric": metric, "seeds": seeds, "difference": diff,
+                         "mean": float(np.mean(diff)),
+                         "std": float(np.std(diff, ddof=1)) if len(diff) > 1 else 0.0,
+                         "wins": [sum(d > 0 for d in diff), sum(d < 0 for d in diff),
+                                  sum(d == 0 for d in diff)]}
     return out
 
 
-def table(files, paired=False):
-    """Models side by side: a row per task, a column per results file, cells mean ± std (x100) over seeds.
-    paired: two files A B, and the rows are B - A seed by seed (paired_difference)."""
-    if paired:
-        if len(files) != 2:
-            raise DataError(f"--paired compares two results files, got {len(files)}")
-        rows = [["task", f"{files[1]} - {files[0]}", "seeds"]] + [
-            [f"{name} [{d['metric']}]", f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f}", str(len(d["seeds"]))]
-            for name, d in paired_difference(*files).items()]
-    else:
-        loaded = [load_results(path) for path in files]
+def finetune_markdown(arms, baseline_arm=None):
+    """A markdown table of fine-tuning arms ({arm name: results of `finetune`}) and a one-line
+    legend: per task and arm the number of seeds, the majority baseline, the test score (mean ±
+    std, x100) flagged when it is not above the baseline, and the paired difference to baseline_arm
+    (default: the first arm) with its spread and the seeds each side wins."""
+    base = baseline_arm or next(iter(arms))
+    if base not in arms:
+        raise InputError(f"baseline arm {base!r} is not among the arms {list(arms)}")
+    pairs = {arm: paired_difference(arms[base], r) for arm, r in arms.items() if arm != base}
+    lines = [f"| task (metric) | arm | seeds | majority baseline | test, mean ± std | arm - "
+             f"{base}, paired mean ± std | seeds won: arm / {base} / tie |", "|---" * 7 + "|"]
+    for task in dict.fromkeys(t for r in arms.values() for t in r["tasks"]):
+        for arm, r in arms.items():
+            t = r["tasks"].get(task)
+            if t is None:
+                lines.append(f"| {task} | {arm} | 0 | - | - | - | - |")
+                continue
+            scores = [score(s, t["primary"]) for s in t["seeds"].values()]
+            mean, std = np.mean(scores), np.std(scores, ddof=1) if len(scores) > 1 else 0.0
+            baseline = score(t["baseline"], t["primary"])
+            flag = "" if mean > baseline else " **not above the baseline**"
+            d = pairs.get(arm, {}).get(task)
+            paired = (f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({len(d['seeds'])} seeds)"
+                      if d else "(the reference)" if arm == base else "no shared seed")
+            wins = " / ".join(map(str, d["wins"])) if d else "-"
+            lines.append(f"| {task} ({t['primary']}) | {arm} | {len(scores)} | "
+                         f"{100 * baseline:.2f} | {100 * mean:.2f} ± {100 * std:.2f}{flag} | "
+                         f"{paired} | {wins} |")
+    legend = (f"Scores x100 on the test split, mean ± sample std over seeds; majority baseline: "
+              f"always the most common train label (per word for token tasks); paired: the arm "
+              f"minus {base} on each seed both ran (same classifier init and data order).")
+    return "\n".join(lines + ["", legend]) + "\n"
 
-        def cell(r):
-            if r is None:
-                return "-"
-            text = lambda m: f"{100 * r['mean'][m]:.2f} ± {100 * r['std'][m]:.2f}"
-            return text(r["primary"]) + (f" (macro {text('macro_f1')})" if r["primary"] != "macro_f1" else "")
 
-        names = list(dict.fromkeys(name for tasks in loaded for name in tasks))
-        primary = {name: next(t[name]["primary"] for t in loaded if name in t) for name in names}
-        rows = [["task", *map(str, files)]] + [[f"{name} [{primary[name]}]", *(cell(t.get(name)) for t in loaded)]
-                                              for name in names]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-    print(text)
+def table(files):
+    """Print and return finetune_markdown of results files, the first file the reference arm; an
+    arm is named by its file name (by its path where two names clash)."""
+    if len(set(map(str, files))) < len(files):
+        raise InputError(f"a results file is given twice: {list(map(str, files))}")
+    names = [Path(f).stem for f in files]
+    names = names if len(set(names)) == len(names) else list(map(str, files))
+    text = finetune_markdown({name: load_results(f) for name, f in zip(names, files)})
+    print(text, end="")
     return text
 
 
 # ----------------------------------------------------------------------------
-# MLM quality: masked-token loss and accuracy on fixed validation batches
+# Validation loss, and loss curves
 
 
-@torch.no_grad()
-def mlm(model, data, n_sequences=64, seq_len=512, seed=0, batch_size=8, device=None):
-    """15% of the non-special positions chosen with a fixed seed (80% [MASK], 10% random, 10% kept, as in training);
-    loss and accuracy (argmax == original id) over all chosen positions of the first n_sequences windows."""
-    check("mlm", locals())
-    device = device or default_device()
+def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
+    """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first
+    n_sequences windows of data/val.bin."""
+    info = inspect_model(model)
     meta = load_meta(data)
-    net = ModernBERT.from_pretrained(resolve_checkpoint(str(model))).to(device).eval()
-    c = net.config
+    c = info["config"]
     if meta["mask_id"] != c.mask_token_id or meta["vocab_size"] > c.vocab_size:
-        raise DataError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab {meta['vocab_size']}, but {model} "
-                        f"has mask id {c.mask_token_id} and vocab {c.vocab_size}")
-    total_loss, correct, count, sequences = 0.0, 0, 0, 0
-    for x, y in val_batches(data, seq_len, n_sequences, batch_size, "mlm", mask_rate=0.15, seed=seed):
-        x, y = x.to(device), y.to(device)
-        chosen = y != IGNORE_INDEX  # (B, T)
-        with autocast(device):
-            logits = net.predict(net.encode(x)[chosen]).float()  # (M, vocab): the head on chosen positions only
-        total_loss += F.cross_entropy(logits, y[chosen], reduction="sum").item()
-        correct += (logits.argmax(-1) == y[chosen]).sum().item()
-        count, sequences = count + int(chosen.sum()), sequences + len(x)
-    if count == 0:
-        raise DataError(f"{data}/val.bin: no masked positions in {sequences} sequences")
-    result = {"loss": total_loss / count, "accuracy": correct / count, "masked_tokens": count, "sequences": sequences,
-              "seq_len": seq_len, "seed": seed}
-    print(f"{model} on {data}/val.bin: MLM loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} "
-          f"({count:,} masked tokens in {sequences} sequences of {seq_len})")
-    return result
+        raise InputError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab "
+                         f"{meta['vocab_size']}, but {model} has mask id {c.mask_token_id} and "
+                         f"vocab {c.vocab_size}")
+    device = pick_device(device)
+    net = load_weights(info, device)
+    from train import validation_losses  # only this command needs the trainer
+    losses = validation_losses(net, data, seq_len, n_sequences, batch_size, device)
+    bad = [f"{k} = {v}" for k, v in losses.items() if not is_number(v)]
+    if bad:
+        raise InputError(f"{model} on {data}/val.bin: {', '.join(bad)}; a loss that is not finite "
+                         f"means nothing")
+    print(f"{model} on {data}/val.bin ({n_sequences} windows of {seq_len}): validation MLM loss "
+          f"{losses['val_mlm']:.4f} (15% masked), CLM loss {losses['val_clm']:.4f}")
+    return losses
 
 
-# ----------------------------------------------------------------------------
-# Input checks: every flag of a command and every model directory, before any file is read or model loaded
-
-
-def check(command, a):
-    """Raise one DataError naming the first bad flag or model directory of command (a: its arguments)."""
-    counts = {"cka": ("n", "batch_size"), "finetune": ("epochs", "batch_size", "train_subset", "eval_subset"),
-              "mlm": ("n_sequences", "seq_len", "batch_size")}[command]
-    rules = [(a[k] is None or a[k] >= 1, f"--{k} must be >= 1, got {a[k]}") for k in counts]  # None: the default
-    if "max_len" in a:
-        rules.append((a["max_len"] >= 4, f"--max_len must be >= 4 ([CLS], [SEP] and some text), got {a['max_len']}"))
-    if "seeds" in a:
-        rules.append((len(a["seeds"]) > 0, "--seeds must list at least one seed, e.g. 42,43,44"))
-    if "lr" in a:
-        rules.append((0 < a["lr"] < math.inf, f"--lr must be a positive number, got {a['lr']}"))
-    if a.get("names") is not None:
-        rules.append((len(a["names"]) == 2 and all(a["names"]), f"--names must be two names, for model_a and "
-                      f"model_b (e.g. MLM,CLM), got {','.join(a['names'])!r}"))
-    if "texts" in a:
-        rules.append((Path(a["texts"]).is_file(), f"--texts={a['texts']}: no such file"))
-    for ok, message in rules:
-        if not ok:
-            raise DataError(message)
-    for model in [a[k] for k in ("model", "model_a", "model_b") if k in a] + list(a.get("controls", ())):
-        check_model(str(model))
-
-
-def check_model(path):
-    """A local model directory must hold a config.json, and its JSON files must parse; a name that is not a
-    local path (no such directory, one slash, e.g. answerdotai/ModernBERT-base) is left to the hub."""
-    folder = Path(path)
-    local = folder.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1 or folder.parent.is_dir()
-    if not local:
-        return
-    if not (folder / "config.json").is_file():
-        raise DataError(f"{path}: not a model directory (no config.json there)")
-    for name in ("config.json", "state.json"):
-        if (folder / name).is_file():
-            read_object(folder / name)
+def curves(runs, out, names=None):
+    """Several runs' loss curves on shared axes, one colour per run (machinery/curves.py)."""
+    from machinery.curves import draw_runs  # matplotlib: only this command needs it
+    for folder in runs:
+        if not (Path(folder) / "log.jsonl").is_file():
+            raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
+    if names is not None and len(names) != len(runs):
+        raise InputError(f"--names gives {len(names)} names for {len(runs)} runs")
+    return draw_runs([str(r) for r in runs], str(out), names=names)
 
 
 # ----------------------------------------------------------------------------
@@ -867,83 +861,125 @@ def check_model(path):
 
 
 def seed_list(text):
-    return tuple(int(s) for s in text.split(","))
+    """argparse type: distinct integers in [0, 2**32) separated by commas (numpy takes no negative
+    seed; a seed given twice would count one run twice in the mean and std)."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, e.g. 42,43,44; "
+                                         f"got {text!r}") from None
+    if not all(0 <= s < 2 ** 32 for s in seeds):
+        raise argparse.ArgumentTypeError(f"expected seeds in [0, 2**32), got {text}")
+    if len(set(seeds)) < len(seeds):
+        raise argparse.ArgumentTypeError(f"{text} repeats a seed; give each seed once")
+    return tuple(seeds)
 
 
-def at_least_one(text):
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {text}")
+def name_list(text, count=None):
+    """argparse type: distinct non-empty names separated by commas (`count` of them if given)."""
+    names = text.split(",")
+    if not all(names) or len(set(names)) < len(names) or count not in (None, len(names)):
+        raise argparse.ArgumentTypeError(f"expected {count or 'some'} distinct non-empty names "
+                                         f"separated by commas, got {text!r}")
+    return names
+
+
+def positive_float(text):
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
+def max_len(text):
+    """argparse type: a length with room for [CLS], [SEP] and some text."""
+    if positive_int(text) < 4:
+        raise argparse.ArgumentTypeError(f"expected at least 4 ([CLS], [SEP] and text), got {text}")
     return int(text)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every other input error
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
+def parser():
+    """eval.py's command line: a sub-command per entry point, each flag with its meaning."""
+    p = Parser(prog="eval.py", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    device = Parser(add_help=False)
+    device.add_argument("--device", default="auto", help="auto (a GPU if any), cpu, cuda, cuda:N")
+    device.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU intra-op threads (none: $OMP_NUM_THREADS, else the idle cores)")
+    model = Parser(add_help=False, parents=[device])
+    model.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' "
+                       "(none: the model folder's tokenizer.json, else the one its run recorded)")
+    model.add_argument("--max_len", type=max_len, default=512,
+                       help="tokens per text, [CLS] and [SEP] included")
+
+    def command(fn, parents, what):  # a sub-command's --help opens with its function's docstring
+        return sub.add_parser(fn.__name__, parents=parents, help=what,
+                              description=inspect.cleandoc(fn.__doc__))
+
+    cka_flags(command(cka, [model], "per-layer linear CKA of two models against seed controls"))
+    finetune_flags(command(finetune, [model], "fine-tune on task folders, several seeds"))
+    t = command(table, [], "fine-tuning results side by side, with baselines and paired seeds")
+    t.add_argument("files", nargs="+", help="results files of `finetune`; the first: the reference")
+    m = command(mlm, [device], "validation MLM and CLM loss on val.bin")
+    m.add_argument("model", help="a model folder, run directory or hub id")
+    m.add_argument("--data", required=True, help="a folder data.py prepared (meta.json, val.bin)")
+    m.add_argument("--n_sequences", type=positive_int, default=64, help="validation windows read")
+    m.add_argument("--seq_len", type=positive_int, default=512, help="tokens per window")
+    m.add_argument("--batch_size", type=positive_int, default=8, help="windows per forward pass")
+    k = command(curves, [], "several runs' loss curves on shared axes")
+    k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
+    k.add_argument("--out", required=True, help="the PNG to write")
+    k.add_argument("--names", type=name_list, default=None, help="a name per run (none: folders)")
+    return p
+
+
+def cka_flags(c):
+    c.add_argument("model_a", help="the reference model (e.g. the MLM run)")
+    c.add_argument("model_b", help="the model compared with it (e.g. the CLM run)")
+    c.add_argument("--control", dest="controls", action="append", default=[],
+                   help="a run differing from model_a only in its training seed; repeat for more")
+    c.add_argument("--names", type=lambda text: name_list(text, 2), default=None,
+                   help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM")
+    c.add_argument("--texts", required=True, help="JSONL of held-out texts: {'text': ...} a line")
+    c.add_argument("--n", type=positive_int, default=500, help="texts drawn per sampling seed")
+    c.add_argument("--seeds", type=seed_list, default=(42, 43, 44),
+                   help="sampling seeds: a draw of --n texts each")
+    c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")
+    c.add_argument("--out", default="cka.json", help="the JSON result; the figure goes beside it")
+
+
+def finetune_flags(f):
+    f.add_argument("model", help="a model folder, run directory or hub id")
+    f.add_argument("--task", dest="tasks", action="append", required=True,
+                   help="a task folder (train/dev/test .tsv or .jsonl); repeat for more")
+    f.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46),
+                   help="fine-tuning seeds (classifier init and data order), one run each")
+    f.add_argument("--out", default="results.json", help="results JSON; seed files in OUT.seeds/")
+    f.add_argument("--epochs", type=positive_int, default=None,
+                   help="passes over train (none: 10; 20 for token tasks)")
+    f.add_argument("--lr", type=positive_float, default=5e-5, help="AdamW peak learning rate")
+    f.add_argument("--train_subset", type=positive_int, default=None,
+                   help="train on this many examples (a fixed draw; none: all)")
+    f.add_argument("--eval_subset", type=positive_int, default=None,
+                   help="dev and test on this many examples each (a fixed draw; none: all)")
+    f.add_argument("--batch_size", type=positive_int, default=16, help="examples per step")
+    f.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                   help="sequence tasks: the [CLS] vector or the mean over tokens")
 
 
 def main(argv=None):
-    parser = Parser(prog="eval.py", description="Evaluate ModernBERT checkpoints (SPEC §4-5).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    common.add_argument("--threads", type=at_least_one, default=None,
-                        help="CPU intra-op threads (default: torch's, capped to the cores this process may use)")
-    with_tokenizer = argparse.ArgumentParser(add_help=False, parents=[common])
-    with_tokenizer.add_argument("--tokenizer", default=None, help="tokenizer.json, hub id or 'bytes' (default: the "
-                                "model directory's tokenizer.json, else the spec in its state.json)")
-
-    p = sub.add_parser("cka", parents=[with_tokenizer], help="per-layer linear CKA of two models (and a seed control)")
-    p.add_argument("model_a")
-    p.add_argument("model_b")
-    p.add_argument("--control", dest="controls", action="append", default=[],
-                   help="a run differing from model_a only in its training seed; repeat for more")
-    p.add_argument("--names", type=lambda text: text.split(","), default=None,
-                   help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM (default: directory names)")
-    p.add_argument("--texts", required=True, help="JSONL with a 'text' field (held-out texts)")
-    p.add_argument("--n", type=int, default=500)
-    p.add_argument("--seeds", type=seed_list, default=(42, 43, 44), help="sampling seeds, e.g. 42,43,44")
-    p.add_argument("--max_len", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--out", default="cka.json", help="JSON; the plot goes beside it as .png")
-
-    p = sub.add_parser("finetune", parents=[with_tokenizer], help="fine-tune on task folders, several seeds")
-    p.add_argument("model")
-    p.add_argument("--task", dest="tasks", action="append", required=True, help="a task folder; repeat for more")
-    p.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46))
-    p.add_argument("--out", default="results.json")
-    p.add_argument("--epochs", type=int, default=None, help="default: 10, or 20 for token classification")
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--max_len", type=int, default=512)
-    p.add_argument("--train_subset", type=int, default=None, help="train on this many examples (fixed draw)")
-    p.add_argument("--eval_subset", type=int, default=None, help="dev and test on this many examples (fixed draw)")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
-
-    p = sub.add_parser("table", help="results files of `finetune` side by side")
-    p.add_argument("files", nargs="+")
-    p.add_argument("--paired", action="store_true", help="two files A B: B - A per task, seed by seed")
-
-    p = sub.add_parser("mlm", parents=[common], help="masked-token loss and accuracy on val.bin")
-    p.add_argument("model")
-    p.add_argument("--data", required=True, help="a directory prepared by data.py")
-    p.add_argument("--n_sequences", type=int, default=64)
-    p.add_argument("--seq_len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch_size", type=int, default=8)
-
-    args = vars(parser.parse_args(argv))
-    command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm}[args.pop("command")]
-    if command is not table:
-        threads = args.pop("threads")
-        torch.set_num_threads(default_threads() if threads is None else threads)
+    args = vars(parser().parse_args(argv))
+    command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm, "curves": curves}
+    command = command[args.pop("command")]
+    if "threads" in args:
+        torch.set_num_threads(pick_threads(args.pop("threads")))
         print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
-    try:
-        command(**args)
-    except (ValueError, FileNotFoundError) as e:  # bad input (DataError is a ValueError; so are bad configs)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return command(**args)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,5 +1,5 @@
 """eval.py: CKA known answers and properties, metrics against scikit-learn and seqeval, fine-tuning end to end
-on the real tasks (skipped visibly without them), the CKA and MLM commands, and bad task input."""
+on the real tasks (skipped visibly without them), the CKA, MLM and table commands, and bad task input."""
 import json
 import math
 import re
@@ -13,34 +13,35 @@ import torch
 from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 
 import eval as ev
-from data import DataError, load_tokenizer, prepare, val_batches
+from data import load_tokenizer, prepare, val_batches
+from machinery.cli import InputError, run
+from machinery.tasks import read_task
 from model import ModernBERT, ModernBERTConfig
 
 TASKS = SHARED_DATA / "tasks"
 
 
 def make_model(path, seed, tokenizer="bytes", **config):
-    """A random tiny ModernBERT run directory whose state.json names its tokenizer, as our trainer writes it."""
+    """A random tiny ModernBERT folder with its tokenizer files, as train.py writes a run's top level."""
     torch.manual_seed(seed)  # config: the ids of `tokenizer` (ModernBERT's defaults unless given)
     ModernBERT(ModernBERTConfig.from_preset("tiny", **config)).save_pretrained(path)
-    (path / "state.json").write_text(json.dumps({"tokenizer": str(tokenizer)}))
+    load_tokenizer(tokenizer).save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def byte_models(tmp_path_factory):
-    """Runs trained here by train.py from one start checkpoint, as in the paper: A the CLM detour, B its MLM twin
-    (same data order), C the MLM seed control (another training seed). Short, but real run directories."""
-    import train
-    from data import prepare_demo
+    """Three model folders near one start checkpoint, as a detour, its twin and a seed control are: the start's
+    weights plus independent seeded noise (std 0.02 on every weight), with the byte tokenizer's files."""
     root = tmp_path_factory.mktemp("runs")
-    prepare_demo(str(root / "demo"))
-    tiny_model(0).save_pretrained(root / "start")  # a stand-in for the pretrained checkpoint: a Hugging Face directory
-    flags = [f"--data={root / 'demo'}", f"--init_from={root / 'start'}", "--seq_len=128", "--batch_size=4",
-             "--micro_batch_size=4", "--tokens=2048", "--warmup_tokens=512", "--lr=3e-3", "--compile=false",
-             "--eval_sequences=2", "--log_interval=1000", "--recipe=smoke"]
-    for name, phase, seed in (("a", "clm", 17), ("b", "mlm", 17), ("c", "mlm", 18)):
-        train.main([*flags, f"--phase={phase}", f"--seed={seed}", f"--out_dir={root / name}"])
+    for name, seed in (("a", 17), ("b", 18), ("c", 19)):
+        model = tiny_model(0)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        model.save_pretrained(root / name)
+        load_tokenizer("bytes").save_pretrained(root / name)
     return [root / name for name in "abc"]
 
 
@@ -128,7 +129,8 @@ def test_cka_several_controls(byte_models, texts, tmp_path, capsys, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     r = ev.cka(a, b, texts, controls=controls, names=["CLM", "MLM"], out=tmp_path / "three.json", **kw)
     shown = capsys.readouterr().out
-    assert "CLM vs MLM (3 seed controls of CLM)" in shown and "matplotlib is not installed" in shown
+    assert "CLM vs MLM per layer" in shown and "3 seed control(s)" in shown and "matplotlib is not installed" in shown
+    assert shown.count("| yes |") + shown.count("| no |") == 4 and ev.BAND_RULE in shown
     assert not (tmp_path / "three.png").exists()
     each = np.array(r["controls"]["divergence"])  # (controls, layers)
     for k, control in enumerate(controls):
@@ -137,34 +139,70 @@ def test_cka_several_controls(byte_models, texts, tmp_path, capsys, monkeypatch)
     assert r["control_divergence"] == pytest.approx(each.mean(0).tolist(), abs=1e-15)
     assert r["controls"]["std"] == pytest.approx(each.std(0, ddof=1).tolist(), abs=1e-15)
     assert r["controls"]["max"] == pytest.approx(each.max(0).tolist()) and r["controls"]["min"] == each.min(0).tolist()
-    band = each.mean(0) + 2 * each.std(0, ddof=1)
     for layer, d in enumerate(r["divergence"]):
         assert r["ratio"][layer] == pytest.approx(d / each[:, layer].mean(), rel=1e-12)
-        assert r["outside_band"][layer] == bool(d > each[:, layer].max() and d > band[layer])
+        assert r["outside_band"][layer] == bool(d > each[:, layer].max())
     assert len(r["per_seed"]) == 2 and all(len(s["control_cka"]) == 3 for s in r["per_seed"].values())
     saved = json.loads((tmp_path / "three.json").read_text())
     assert saved["names"] == ["CLM", "MLM"] and saved["outside_band"] == r["outside_band"]
 
 
 def test_control_band_definition():
+    """One rule, the one the figure draws: outside means above the largest control (the band's top)."""
     assert ev.control_band(0.5, [0.1, 0.2])["outside"] and not ev.control_band(0.15, [0.1, 0.2])["outside"]
-    # above the max but not above mean + 2 std (three controls, wide spread): inside
-    wide = ev.control_band(1.05, [0.1, 0.2, 1.0])
-    assert wide["max"] == 1.0 and wide["mean"] + 2 * wide["std"] > 1.05 and not wide["outside"]
-    assert ev.control_band(0.4, [0.1, 0.11, 0.12])["ratio"] == pytest.approx(0.4 / 0.11)
+    assert ev.control_band(1.05, [0.1, 0.2, 1.0])["outside"]  # above the max however wide the spread
+    assert not ev.control_band(1.0, [0.1, 0.2, 1.0])["outside"]  # on the band's edge is inside
+    band = ev.control_band(0.4, [0.1, 0.11, 0.12])
+    assert band["ratio"] == pytest.approx(0.4 / 0.11)
+    assert band["std"] == pytest.approx(np.std([0.1, 0.11, 0.12], ddof=1))
+    assert ev.control_band(0.4, [0.0, 1e-15])["ratio"] is None  # controls that do not diverge: no ratio
 
 
 def test_cka_checks_its_input(byte_models, texts, tmp_path):
     a, b, _ = byte_models
-    with pytest.raises(DataError, match=rf"{texts.name}: 24 texts, fewer than the n=25"):
+    with pytest.raises(InputError, match=rf"{texts.name}: 24 texts, fewer than the n=25"):
         ev.cka(a, b, texts, n=25, out=tmp_path / "x.json", device="cpu")
     deeper = make_model(tmp_path / "deeper", 0, num_hidden_layers=5, **BYTE_IDS)
-    with pytest.raises(DataError, match="different numbers of layers"):
+    with pytest.raises(InputError, match="different numbers of layers"):
         ev.cka(a, deeper, texts, n=5, out=tmp_path / "x.json", device="cpu")
     (tmp_path / "bare").mkdir()
     tiny_model().save_pretrained(tmp_path / "bare")
-    with pytest.raises(DataError, match="bare: no tokenizer.json .* pass --tokenizer"):
+    with pytest.raises(InputError, match="bare: no tokenizer.json .* pass --tokenizer"):
         ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")
+    # a folder of the older layout, whose top-level state.json records the tokenizer, still loads
+    (tmp_path / "bare" / "state.json").write_text(json.dumps({"tokenizer": "bytes"}))
+    assert ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")["layers"] == [0, 1, 2, 3]
+
+
+def test_cka_markdown_and_figure_state_one_band_rule(tmp_path, monkeypatch):
+    """The table says yes exactly where the figure draws a star, the rule is written in both, and every band
+    and line of the figure has a legend entry; the axes are labelled."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    controls = np.array([[0.010, 0.020, 0.5, 0.03], [0.012, 0.010, 0.4, 0.05]])  # (controls, layers)
+    divergence = [0.011, 0.300, 0.6, 0.04]  # inside, outside, outside, inside
+    bands = [ev.control_band(d, controls[:, i]) for i, d in enumerate(divergence)]
+    r = {"names": ["MLM", "CLM"], "layers": [0, 1, 2, 3], "cka": [1 - d for d in divergence],
+         "divergence": divergence, "divergence_std": [0.001] * 4, "per_seed": {"42": {}},
+         "controls": {"divergence": controls.tolist(), **{k: [b[k] for b in bands] for k in ("std", "min", "max")}},
+         "control_divergence": [b["mean"] for b in bands], "ratio": [b["ratio"] for b in bands],
+         "outside_band": [b["outside"] for b in bands], "args": {"n": 10}}
+    text = ev.cka_markdown(r)
+    rows = [line for line in text.splitlines() if re.match(r"\| \d", line)]
+    assert [row.endswith("| yes |") for row in rows] == [False, True, True, False] and ev.BAND_RULE in text
+    ev.plot_cka(r, tmp_path / "cka.png")
+    fig, = drawn
+    left, right = fig.axes
+    for ax in (left, right):
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any("the band" in t for t in legend) and "outside the band (2 of 4 layers)" in legend
+        assert "seed controls' mean" in legend and ax.get_xlabel().startswith("layer")
+        stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
+        assert len(stars) == 1 and list(stars[0].get_xdata()) == [1, 2]
+    assert left.get_ylabel() == "1 - linear CKA" and "ratio" in right.get_title()
+    assert any(ev.BAND_RULE[1:] in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
 
 
 def test_cka_cli(byte_models, texts, tmp_path):
@@ -292,8 +330,11 @@ def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
             values = [s["test"][metric] for s in r[name]["seeds"].values()]
             assert r[name]["mean"][metric] == pytest.approx(np.mean(values))
             assert r[name]["std"][metric] == pytest.approx(np.std(values, ddof=1))
-    text = ev.table([out, out])
-    assert "chemprot [macro_f1]" in text and text.count("±") == 4
+    copy = tmp_path / "again.json"
+    copy.write_text(out.read_text())
+    text = ev.table([out, copy])
+    assert "| chemprot (macro_f1) | seq | 2 |" in text and "| pubmedqa (macro_f1) | again | 2 |" in text
+    assert text.count("| +0.00 ± 0.00 (2 seeds) | 0 / 0 / 2 |") == 2  # the same numbers: every seed ties
 
 
 def multilabel_task(root):
@@ -325,17 +366,31 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     kw = dict(epochs=1, lr=2e-3, max_len=48, pooling="mean", device="cpu")
     first = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
     files = sorted((tmp_path / "a.seeds").glob("*.json"))
-    assert [f.name for f in files] == ["animals-seed1.json", "animals-seed2.json"]
+    assert [re.sub(r"-[0-9a-f]{12}\.json", "", f.name) for f in files] == ["animals-seed1", "animals-seed2"]
     saved = json.loads(files[0].read_text())
-    assert len(saved["predictions"]) == 32 and all(set(p) <= {"cat", "dog", "owl"} for p in saved["predictions"])
+    test = [json.loads(line) for line in (task / "test.jsonl").read_text().splitlines()]
+    assert [p["index"] for p in saved["predictions"]] == list(range(32))
+    assert [p["gold"] for p in saved["predictions"]] == [row["label"] for row in test]
+    assert [p["line"] for p in saved["predictions"]] == list(range(1, 33))
+    assert all(set(p["pred"]) <= {"cat", "dog", "owl"} for p in saved["predictions"])
     assert saved["result"] == first["tasks"]["animals"]["seeds"]["1"]
     stamps = [f.stat().st_mtime_ns for f in files]
     capsys.readouterr()
     again = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
     assert capsys.readouterr().out.count("skip") == 2 and [f.stat().st_mtime_ns for f in files] == stamps
     assert again == first
-    with pytest.raises(DataError, match=r"animals-seed1.json: written with other settings"):
-        ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **{**kw, "lr": 1e-3})
+    # another lr, or a changed test file: computed again (a stale score is never reused), the old files kept
+    ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **{**kw, "lr": 1e-3})
+    assert "skip" not in capsys.readouterr().out and len(list((tmp_path / "a.seeds").glob("*"))) == 3
+    lines = (task / "test.jsonl").read_text().splitlines()
+    (task / "test.jsonl").write_text("\n".join(lines[1:]) + "\n")  # one test example fewer
+    changed = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
+    assert "skip" not in capsys.readouterr().out and len(list((tmp_path / "a.seeds").glob("*"))) == 5
+    newest = max((tmp_path / "a.seeds").glob("*"), key=lambda f: f.stat().st_mtime_ns)
+    assert len(json.loads(newest.read_text())["predictions"]) == 31
+    assert changed["tasks"]["animals"]["sha256"]["test"] != first["tasks"]["animals"]["sha256"]["test"]
+    (task / "test.jsonl").write_text("\n".join(lines) + "\n")  # back as it was: the first files count again
+    assert ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw) == first
 
     # paired difference: a second model on seeds 2 and 3; only seed 2 is shared
     ev.finetune(byte_models[1], [task], seeds=(2, 3), out=tmp_path / "b.json", **kw)
@@ -343,17 +398,44 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["animals"]
     expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
     assert d["seeds"] == ["2"] and d["difference"] == [pytest.approx(expected)] and d["std"] == 0.0
-    assert f"{100 * expected:+.2f} ± 0.00" in ev.table([tmp_path / "a.json", tmp_path / "b.json"], paired=True)
+    assert f"{100 * expected:+.2f} ± 0.00 (1 seeds)" in ev.table([tmp_path / "a.json", tmp_path / "b.json"])
+
+
+def results(scores, baseline, metric="macro_f1"):
+    """The part of a results file of `finetune` that the tables read: one task 't', {seed: test score}."""
+    seeds = {str(seed): {"test": {metric: float(v)}} for seed, v in scores.items()}
+    return {"tasks": {"t": {"primary": metric, "seeds": seeds, "baseline": {"test": {metric: baseline}}}}}
 
 
 def test_paired_difference_over_several_seeds(tmp_path):
     rng = np.random.default_rng(0)
     a, b = rng.random(5), rng.random(5)
     for name, values in (("a", a), ("b", b)):
-        seeds = {str(42 + i): {"test": {"macro_f1": float(v)}} for i, v in enumerate(values)}
-        write(tmp_path / f"{name}.json", json.dumps({"tasks": {"t": {"primary": "macro_f1", "seeds": seeds}}}))
+        write(tmp_path / f"{name}.json", json.dumps(results(dict(zip(range(42, 47), values)), 0.1)))
     d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["t"]
     assert d["mean"] == pytest.approx(np.mean(b - a)) and d["std"] == pytest.approx(np.std(b - a, ddof=1))
+    assert d["wins"] == [int((b > a).sum()), int((b < a).sum()), 0]
+
+
+def test_finetune_markdown_shows_baselines_seeds_and_paired_wins():
+    mlm = results({42: 0.30, 43: 0.20, 44: 0.25}, 0.27)  # mean 0.25: not above its baseline
+    clm = results({42: 0.40, 43: 0.10, 44: 0.35, 45: 0.90}, 0.27)  # seeds 42-44 are shared with MLM
+    text = ev.finetune_markdown({"MLM": mlm, "CLM": clm})
+    table, legend = text.strip().split("\n\n")
+    rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| t (macro_f1)")}
+    assert rows["MLM"] == ("| t (macro_f1) | MLM | 3 | 27.00 | 25.00 ± 5.00 **not above the baseline** | "
+                           "(the reference) | - |")
+    diff = np.array([0.40, 0.10, 0.35]) - [0.30, 0.20, 0.25]
+    clm_scores = [0.40, 0.10, 0.35, 0.90]
+    assert rows["CLM"] == (f"| t (macro_f1) | CLM | 4 | 27.00 | {100 * np.mean(clm_scores):.2f} ± "
+                           f"{100 * np.std(clm_scores, ddof=1):.2f} | {100 * diff.mean():+.2f} ± "
+                           f"{100 * diff.std(ddof=1):.2f} (3 seeds) | 2 / 1 / 0 |")
+    assert "majority baseline" in legend and len(legend.splitlines()) == 1
+    assert "arm - MLM, paired" in table
+    flipped = ev.finetune_markdown({"MLM": mlm, "CLM": clm}, baseline_arm="CLM")
+    assert f"| {-100 * diff.mean():+.2f} ± {100 * diff.std(ddof=1):.2f} (3 seeds) | 1 / 2 / 0 |" in flipped
+    with pytest.raises(InputError, match="baseline arm 'BERT' is not among"):
+        ev.finetune_markdown({"MLM": mlm}, baseline_arm="BERT")
 
 
 @pytest.mark.slow
@@ -378,43 +460,45 @@ def test_bad_task_input_is_named(tmp_path, capsys):
     good = '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n'
     for split in ("train", "dev"):
         write(tmp_path / "nosplit" / f"{split}.jsonl", good)
-    with pytest.raises(DataError, match=r"nosplit: missing test.jsonl"):
-        ev.read_task(tmp_path / "nosplit")
+    with pytest.raises(InputError, match=r"nosplit: missing test.jsonl"):
+        read_task(tmp_path / "nosplit")
 
     for split in ("train", "dev", "test"):
         extra = '{"text": "c", "label": "z"}\n' if split == "test" else ""
         write(tmp_path / "unseen" / f"{split}.jsonl", good + extra)
-    # a label only in test (issue 11): a warning naming file, line and label; scored, never predicted
-    task = ev.read_task(tmp_path / "unseen")
-    assert re.search(r"warning: .*unseen/test.jsonl:3: label 'z' does not occur in .*train.jsonl", capsys.readouterr().err)
+    # a label only in test: a warning naming label, file and line; scored, never predicted
+    task = read_task(tmp_path / "unseen")
+    assert re.search(r"warning: label 'z' occurs in .*unseen/test.jsonl:3 but not in .*train.jsonl",
+                     capsys.readouterr().err)
     assert task["labels"] == ["x", "y"] and task["scored"] == ["x", "y", "z"]
 
     for split in ("train", "dev", "test"):
         write(tmp_path / "badjson" / f"{split}.jsonl", good + ('{"text": "c", "label":\n' if split == "dev" else ""))
-    with pytest.raises(DataError, match=r"badjson/dev.jsonl:3: not valid JSON"):
-        ev.read_task(tmp_path / "badjson")
+    with pytest.raises(InputError, match=r"badjson/dev.jsonl:3: not valid JSON"):
+        read_task(tmp_path / "badjson")
     write(tmp_path / "badjson" / "dev.jsonl", good + '{"text": "c"}\n')
-    with pytest.raises(DataError, match=r"badjson/dev.jsonl:3: expected an object with 'text'"):
-        ev.read_task(tmp_path / "badjson")
+    with pytest.raises(InputError, match=r"badjson/dev.jsonl:3: expected an object with 'text'"):
+        read_task(tmp_path / "badjson")
 
     sentences = "Aspirin\tO\ncures\tO\npain\tB-D\n\nOK\tO\n"
     for split in ("train", "dev", "test"):
         write(tmp_path / "tsv" / f"{split}.tsv", sentences)
     write(tmp_path / "tsv" / "dev.tsv", sentences + "\nfever\tB-Sym\n")
-    assert ev.read_task(tmp_path / "tsv")["scored"] == ["B-D", "O", "B-Sym"]
-    assert re.search(r"warning: .*tsv/dev.tsv:7: label 'B-Sym' does not occur in .*train.tsv", capsys.readouterr().err)
+    assert read_task(tmp_path / "tsv")["scored"] == ["B-D", "O", "B-Sym"]
+    assert re.search(r"warning: label 'B-Sym' occurs in .*tsv/dev.tsv:7 but not in .*train.tsv",
+                     capsys.readouterr().err)
     write(tmp_path / "tsv" / "dev.tsv", sentences.replace("cures\tO", "cures O"))
-    with pytest.raises(DataError, match=r"tsv/dev.tsv:2: expected token<TAB>tag"):
-        ev.read_task(tmp_path / "tsv")
+    with pytest.raises(InputError, match=r"tsv/dev.tsv:2: expected token<TAB>tag"):
+        read_task(tmp_path / "tsv")
 
 
 def test_finetune_checks_every_task_before_loading_or_training(tmp_path, capsys):
     task = multilabel_task(tmp_path / "ok")
     write(tmp_path / "bad" / "train.tsv", "a\tO\n")
-    with pytest.raises(DataError, match="bad: missing dev.tsv"):  # not the missing model: tasks are read first
+    with pytest.raises(InputError, match="bad: missing dev.tsv"):  # not the missing model: tasks are read first
         ev.finetune(tmp_path / "no-such-model", [task, tmp_path / "bad"], out=tmp_path / "r.json", device="cpu")
     with pytest.raises(SystemExit) as exit:
-        ev.main(["finetune", str(tmp_path / "no-such-model"), f"--task={tmp_path / 'bad'}", "--device=cpu"])
+        run(ev.main, ["finetune", str(tmp_path / "no-such-model"), f"--task={tmp_path / 'bad'}", "--device=cpu"])
     assert exit.value.code == 2 and "error: " in capsys.readouterr().err and not (tmp_path / "r.json").exists()
 
 
@@ -422,14 +506,23 @@ def test_finetune_checks_every_task_before_loading_or_training(tmp_path, capsys)
 # MLM quality
 
 
-def test_mlm_matches_the_models_own_loss(byte_models, texts, tmp_path):
+def test_mlm_reports_trains_validation_losses(byte_models, texts, tmp_path, capsys):
+    """`eval.py mlm` is train.py's validation: the model's own MLM loss on the 15%-masked windows, and its
+    causal loss, on the same val.bin windows."""
+    try:
+        from train import validation_losses  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"train.validation_losses cannot be imported yet ({e})")
     data_dir = tmp_path / "data"
     prepare([texts], "bytes", data_dir, val_fraction=0.5)
     r = ev.mlm(byte_models[0], data_dir, n_sequences=4, seq_len=32, batch_size=4, device="cpu")
     model = ModernBERT.from_pretrained(byte_models[0]).eval()
-    (x, y), = list(val_batches(data_dir, 32, 4, 4, "mlm", mask_rate=0.15, seed=0))
-    with torch.no_grad():
-        _, loss = model(x, labels=y)
-    assert r["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert r["masked_tokens"] == int((y != -100).sum()) > 0 and 0 <= r["accuracy"] <= 1
-    assert abs(r["loss"] - math.log(320)) < 1.0  # a random model guesses near uniformly
+    expected = {}
+    for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
+        (x, y), = list(val_batches(data_dir, 32, 4, 4, objective, mask_rate=rate))
+        with torch.no_grad():
+            expected[f"val_{objective}"] = model(x, labels=y, causal=objective == "clm")[1].item()
+    assert r == pytest.approx(expected, rel=1e-5)
+    assert abs(r["val_mlm"] - math.log(320)) < 1.0  # a random model guesses near uniformly
+    shown = capsys.readouterr().out
+    assert f"validation MLM loss {r['val_mlm']:.4f} (15% masked), CLM loss {r['val_clm']:.4f}" in shown

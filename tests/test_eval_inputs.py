@@ -1,7 +1,10 @@
 """eval.py's bad input, table-driven: every case ends in exit code 2 and one line `error: ...` naming the flag or
-file, before any model is loaded; and the task-file quirks real datasets have (BOM, trailing spaces, integer
-labels, a label only in test, words cut by --max_len)."""
+file, before any model is loaded where it can be; models and results that are not finite are refused; a full disk
+is one line; and the task-file quirks real datasets have (BOM, trailing spaces, integer labels, a label only in
+dev or test, words cut by --max_len)."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -12,82 +15,261 @@ import torch
 from conftest import BYTE_IDS, ROOT
 
 import eval as ev
-from data import load_tokenizer
+from data import load_tokenizer, prepare
+from machinery.cli import InputError, run
+from machinery.tasks import read_task
 from test_eval import make_model, multilabel_task, write
+
+RESULT = {"primary": "macro_f1", "seeds": {"1": {"test": {"macro_f1": 0.5}}}, "baseline": {"test": {"macro_f1": 0.1}}}
+
+
+def jsonl_task(folder, rows):
+    """A JSONL task folder: rows = {split: [(text, label), ...]}."""
+    for split, examples in rows.items():
+        write(folder / f"{split}.jsonl", "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in examples))
+    return folder
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("inputs")
     model = make_model(root / "model", 0, **BYTE_IDS)
+    shutil.copytree(model, root / "copy")  # the same weights in another folder
+    make_model(root / "other", 1, **BYTE_IDS)
     garbage = make_model(root / "garbage", 0, **BYTE_IDS)
-    (garbage / "state.json").write_text("{not json")
+    (garbage / "config.json").write_text("{not json")
+    (make_model(root / "noweights", 0, **BYTE_IDS) / "model.safetensors").unlink()
+    make_model(root / "mismatch", 0)  # ModernBERT's special ids, the byte tokenizer's files
     write(root / "texts.jsonl", '{"text": "a b c"}\n' * 4)
     (root / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    write(root / "surrogate.jsonl", '{"text": "ok"}\n{"text": "lone \\ud800 half"}\n')
     write(root / "results.json", "[]")
+    nan = {"1": {"test": {"macro_f1": float("nan")}}}  # json writes NaN, which Python's json reads back
+    write(root / "nan.json", json.dumps({"tasks": {"t": {**RESULT, "seeds": nan}}}))
+    write(root / "noseeds.json", json.dumps({"tasks": {"t": {**RESULT, "seeds": {}}}}))
+    write(root / "ok.json", json.dumps({"tasks": {"t": RESULT}}))
+    write(root / "run" / "log.jsonl", json.dumps({"phase": "mlm", "step": 1, "tokens": 64, "loss": 5.0}) + "\n")
+    good = [("a b", "x"), ("c d", "y")]
+    tasks = {"surrogate": {"train": good, "dev": good, "test": good + [("\ud800", "x")]},
+             "onelabel": {"train": [("a", "x"), ("b", "x")], "dev": good, "test": good},
+             "emptylabel": {"train": good + [("e", "")], "dev": good, "test": good},
+             "mixed": {"train": good, "dev": good + [("e", ["x"])], "test": good}}
+    for name, rows in tasks.items():
+        jsonl_task(root / name, rows)
+    jsonl_task(root / "deep", {"train": good, "dev": good, "test": good})
+    write(root / "deep" / "dev.jsonl", "[" * 100_000 + "]" * 100_000 + "\n")
     return {"root": root, "model": str(model), "garbage": str(garbage), "texts": str(root / "texts.jsonl"),
             "task": str(multilabel_task(root / "animals")), "missing": str(root / "no-such-run")}
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device=cuda is fine here")
+
 CASES = [  # (argv with {placeholders}, what the one error line must say)
-    ("cka {model} {model} --texts={texts} --n=0", "--n must be >= 1, got 0"),
-    ("cka {model} {model} --texts={texts} --n=-3", "--n must be >= 1, got -3"),
-    ("cka {model} {model} --texts={texts} --n=x", "argument --n: invalid int value: 'x'"),
-    ("cka {model} {model} --texts={texts} --max_len=1", "--max_len must be >= 4"),
-    ("cka {model} {model} --texts={texts} --batch_size=0", "--batch_size must be >= 1, got 0"),
-    ("cka {model} {model} --texts={texts} --names=MLM", "--names must be two names"),
-    ("cka {model} {model} --texts={root}/none.jsonl", "none.jsonl: no such file"),
+    ("cka {model} {model} --texts={texts} --n=0", "argument --n: expected at least 1, got 0"),
+    ("cka {model} {model} --texts={texts} --n=-3", "argument --n: expected at least 1, got -3"),
+    ("cka {model} {model} --texts={texts} --n=x", "argument --n: expected an integer, got 'x'"),
+    ("cka {model} {model} --texts={texts} --max_len=1", "--max_len: expected at least 4"),
+    ("cka {model} {model} --texts={texts} --batch_size=0", "--batch_size: expected at least 1, got 0"),
+    ("cka {model} {model} --texts={texts} --names=MLM", "--names: expected 2 distinct non-empty names"),
+    ("cka {model} {model} --texts={root}/none.jsonl", "none.jsonl: cannot read it (No such file"),
     ("cka {model} {model} --texts={root}/latin1.jsonl --n=1", "latin1.jsonl:2: not valid UTF-8"),
-    ("cka {model} {missing} --texts={texts}", "no-such-run: not a model directory"),
-    ("cka {model} {model} --control={garbage} --texts={texts}", "garbage/state.json: not a readable JSON file"),
-    ("finetune {model} --task={task} --epochs=0", "--epochs must be >= 1, got 0"),
-    ("finetune {model} --task={task} --max_len=0", "--max_len must be >= 4"),
-    ("finetune {model} --task={task} --max_len=1", "--max_len must be >= 4"),
-    ("finetune {model} --task={task} --batch_size=0", "--batch_size must be >= 1, got 0"),
-    ("finetune {model} --task={task} --train_subset=0", "--train_subset must be >= 1, got 0"),
-    ("finetune {model} --task={task} --lr=0", "--lr must be a positive number"),
-    ("finetune {model} --task={task} --seeds=", "argument --seeds: invalid seed_list value"),
-    ("finetune {missing} --task={task}", "no-such-run: not a model directory"),
-    ("finetune {garbage} --task={task}", "garbage/state.json: not a readable JSON file"),
-    ("mlm {model} --data={root} --batch_size=0", "--batch_size must be >= 1, got 0"),
-    ("mlm {model} --data={root} --seq_len=0", "--seq_len must be >= 1, got 0"),
-    ("mlm {missing} --data={root}", "no-such-run: not a model directory"),
-    ("mlm {model} --data={root}", "meta.json: not found"),
-    ("table {root}/results.json", "results.json: expected a JSON object"),
-    ("table {root}/texts.jsonl", "texts.jsonl: not a readable JSON file"),
-    ("table {root}/results.json {root}/results.json {root}/results.json --paired", "--paired compares two"),
+    ("cka {model} {missing} --texts={texts}", "no-such-run: no such model directory"),
+    ("cka {model} {model} --control={garbage} --texts={texts}", "garbage/config.json: not valid JSON"),
+    ("finetune {model} --task={task} --epochs=0", "--epochs: expected at least 1, got 0"),
+    ("finetune {model} --task={task} --max_len=0", "--max_len: expected at least 1"),
+    ("finetune {model} --task={task} --max_len=1", "--max_len: expected at least 4"),
+    ("finetune {model} --task={task} --batch_size=0", "--batch_size: expected at least 1, got 0"),
+    ("finetune {model} --task={task} --train_subset=0", "--train_subset: expected at least 1, got 0"),
+    ("finetune {model} --task={task} --lr=0", "--lr: expected a finite number above 0"),
+    ("finetune {model} --task={task} --seeds=", "--seeds: expected integers separated by commas"),
+    ("finetune {missing} --task={task}", "no-such-run: no such model directory"),
+    ("finetune {garbage} --task={task}", "garbage/config.json: not valid JSON"),
+    ("mlm {model} --data={root} --batch_size=0", "--batch_size: expected at least 1, got 0"),
+    ("mlm {model} --data={root} --seq_len=0", "--seq_len: expected at least 1, got 0"),
+    ("mlm {missing} --data={root}", "no-such-run: no such model directory"),
+    ("mlm {model} --data={root}", "inputs0/meta.json: "),
+    ("table {root}/results.json", "results.json: not a results file of `eval.py finetune`"),
+    ("table {root}/texts.jsonl", "texts.jsonl: not valid JSON"),
+    # a device that is not here, a hub that cannot be reached, a seed twice, a control that is a compared model
+    pytest.param("finetune {model} --task={task} --device=cuda", "--device=cuda: CUDA is not available", marks=NO_CUDA),
+    ("finetune {model} --task={task} --device=foo", "--device='foo': expected auto, cpu, cuda or cuda:N"),
+    ("finetune nobody-here/no-such-model --task={task}", "could not fetch 'nobody-here/no-such-model'"),
+    ("finetune {model} --task={task} --seeds=42,42", "--seeds: 42,42 repeats a seed"),
+    ("cka {model} {root}/other --control={root}/other --texts={texts}", "other has the same folder as"),
+    ("cka {model} {root}/mismatch --control={root}/copy --texts={texts}", "copy has the same weights as"),
+    # new bad input
+    pytest.param("cka {model} {model} --texts={texts} --device=cuda:3", "CUDA is not available", marks=NO_CUDA),
+    ("cka {model} {model} --texts={texts} --device=mps", "--device=mps: expected auto, cpu, cuda or cuda:N"),
+    ("cka {model} {model} --texts={texts} --seeds=1,x", "--seeds: expected integers separated by commas"),
+    ("cka {model} {model} --texts={texts} --seeds=-1", "--seeds: expected seeds in [0, 2**32), got -1"),
+    ("cka {model} {model} --texts={texts} --seeds=4294967296", "--seeds: expected seeds in [0, 2**32)"),
+    ("cka {model} {model} --texts={texts} --names=A,A", "--names: expected 2 distinct non-empty names"),
+    ("cka {model} {model} --texts={texts} --names=,B", "--names: expected 2 distinct non-empty names"),
+    ("cka {model} {model} --texts={texts} --n=1 --n=3", "--n is given twice"),
+    ("cka {model} {model} --texts={root}/surrogate.jsonl", "surrogate.jsonl:2: expected an object with 'text'"),
+    ("cka {model} {root}/mismatch --control={root}/other --control={root}/other --texts={texts}", "same folder"),
+    ("cka {model} {root}/noweights --texts={texts}", "noweights: no model.safetensors there"),
+    ("cka {model} {root}/mismatch --texts={texts}", "(256, 257, 258, 259), vocab 260) does not fit the model"),
+    ("cka {model} {model} --texts={texts} --tokenizer={root}/none.json", "none.json"),
+    ("finetune {model} --task={task} --lr=nan", "--lr: expected a finite number above 0, got 'nan'"),
+    ("finetune {model} --task={task} --lr=inf", "--lr: expected a finite number above 0, got 'inf'"),
+    ("finetune {model} --task={task} --lr=-1e-5", "--lr: expected a finite number above 0"),
+    ("finetune {model} --task={task} --epochs=1.5", "--epochs: expected an integer, got '1.5'"),
+    ("finetune {model} --task={task} --threads=0", "--threads: expected at least 1, got 0"),
+    ("finetune {model} --task={task} --pooling=max", "--pooling: invalid choice: 'max'"),
+    ("finetune {model} --task={root}/no-such-task", "no-such-task: not a folder"),
+    ("finetune {model} --task={texts}", "texts.jsonl: not a folder"),
+    ("finetune {model} --task={task} --task={task}", "task folders must have distinct names"),
+    ("finetune {model} --task={root}/surrogate", "surrogate/test.jsonl:3: expected an object with 'text'"),
+    ("finetune {model} --task={root}/deep", "deep/dev.jsonl:1: not valid JSON"),
+    ("finetune {model} --task={root}/onelabel", "train.jsonl: 1 distinct label(s) ['x']: nothing to learn"),
+    ("finetune {model} --task={root}/emptylabel", "emptylabel/train.jsonl:3: expected an object"),
+    ("finetune {model} --task={root}/mixed", "mixed/dev.jsonl:3: label ['x'] mixes single-label and multi"),
+    ("finetune {model} --task={task} --out={texts}/r.json", "r.seeds: cannot create it"),
+    ("table {root}/ok.json {root}/ok.json", "a results file is given twice"),
+    ("table {root}/nan.json", "task 't' lacks a finite macro_f1 test score"),
+    ("table {root}/noseeds.json", "task 't' lacks a finite macro_f1 test score"),
+    ("curves {root} --out={root}/c.png", "no log.jsonl (not a train.py run directory)"),
+    ("curves {root}/run {root}/run --out={root}/c.png --names=a", "--names gives 1 names for 2 runs"),
+    ("curves {root}/run --out={root}/c.png --names=a,a", "--names: expected some distinct non-empty names"),
 ]
 
 
-@pytest.mark.parametrize("argv, expected", CASES, ids=[c[0].split(" --")[-1] for c in CASES])
+def case_id(case):
+    argv, expected = case.values if hasattr(case, "values") else case
+    return f"{argv.split()[0]}: {expected[:40]}"
+
+
+def run_main(argv, inputs):
+    """eval.py's command line in this process: (exit code, stdout, stderr)."""
+    argv = argv.format(**inputs).split(" ")
+    if argv[0] in ("cka", "finetune", "mlm") and not any(a.startswith("--device") for a in argv):
+        argv.append("--device=cpu")
+    if argv[0] == "cka" and not any(a.startswith("--n=") for a in argv):
+        argv.append("--n=2")  # the texts file holds 4
+    with pytest.raises(SystemExit) as exit:
+        run(ev.main, argv)
+    return exit.value.code
+
+
+@pytest.mark.parametrize("argv, expected", CASES, ids=[case_id(c) for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(inputs, argv, expected, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
-    monkeypatch.setattr(ev.ModernBERT, "from_pretrained", no_loading)
-    with pytest.raises(SystemExit) as exit:
-        ev.main(argv.format(**inputs).split(" ") + (["--device=cpu"] if argv.startswith(("cka", "finetune", "mlm")) else []))
+    monkeypatch.setattr(ev, "load_weights", no_loading)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = run_main(argv, inputs)
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+
+
+@pytest.fixture(scope="module")
+def nan_model(inputs):
+    """A model one of whose weights is NaN (a diverged run), and a prepared corpus for `mlm`."""
+    path = make_model(inputs["root"] / "nan", 0, **BYTE_IDS)
+    from safetensors.torch import load_file, save_file
+    state = load_file(path / "model.safetensors")
+    state["model.layers.1.mlp.Wo.weight"][3, 5] = float("nan")
+    save_file(state, path / "model.safetensors")
+    prepare([inputs["texts"]], "bytes", inputs["root"] / "data", val_fraction=0.5)
+    return path
+
+
+REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trusted
+    ("finetune {nan} --task={task}", "nan: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
+    ("cka {model} {nan} --texts={texts} --n=2", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
+    ("mlm {nan} --data={root}/data --seq_len=8", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
+    ("finetune {model} --task={task} --lr=1e30 --epochs=1 --max_len=16 --seeds=1 --out={root}/div.json",
+     "the fine-tuning diverged: try a lower --lr than 1e+30"),
+    ("finetune {root}/badweights --task={task}", "model.safetensors: not a readable safetensors file"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", REFUSED_AFTER_LOADING, ids=[case_id(c) for c in REFUSED_AFTER_LOADING])
+def test_models_and_scores_that_are_not_finite_are_refused(inputs, nan_model, argv, expected, capsys):
+    bad = make_model(inputs["root"] / "badweights", 0, **BYTE_IDS)
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    code = run_main(argv, {**inputs, "nan": str(nan_model)})
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert not (inputs["root"] / "div.json").exists()  # no score of a diverged run is written
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a real 1 MiB filesystem (tmpfs), or a skip that says why there is none."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
+                           text=True) if shutil.which("mount") else None
+    if mount is None or mount.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here ({mount.stderr.strip() if mount else 'no mount'})")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_full_disk_during_finetune_is_one_line(inputs, small_disk, capsys):
+    """The disk fills between two calls: the second says so in one line and leaves the first's files as they
+    were, with no temporary file behind."""
+    argv = f"finetune {{model}} --task={{task}} --epochs=1 --max_len=16 --seeds=1 --out={small_disk}/r.json"
+    run(ev.main, argv.format(**inputs).split(" ") + ["--device=cpu"])
+    before = {f.name: f.read_bytes() for f in [small_disk / "r.json", *(small_disk / "r.seeds").iterdir()]}
+    with open(small_disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        for _ in range(1 << 10):  # until the disk is full
+            f.write(b"\0" * (1 << 16))
+    capsys.readouterr()
+    assert run_main(argv + " --lr=1e-4", inputs) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "No space left on device" in err, err
+    after = {f.name: f.read_bytes() for f in [small_disk / "r.json", *(small_disk / "r.seeds").iterdir()]}
+    assert after == before and not [f for f in small_disk.rglob("*") if ".tmp" in f.name]
 
 
 def test_bad_input_from_the_shell_has_no_traceback(inputs):
-    run = subprocess.run([sys.executable, str(ROOT / "eval.py"), "finetune", inputs["model"], f"--task={inputs['task']}",
-                          "--epochs=0"], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr == "error: --epochs must be >= 1, got 0\n"
-    fresh = subprocess.run([sys.executable, "-c", "import os, torch; "  # torch's default in a new process
-                            "print(min(torch.get_num_threads(), len(os.sched_getaffinity(0))))"],
-                           capture_output=True, text=True).stdout.strip()
-    assert run.stdout == f"threads: {fresh} intra-op (--threads to change)\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    shell = subprocess.run([sys.executable, str(ROOT / "eval.py"), "finetune", inputs["model"],
+                            f"--task={inputs['task']}", "--epochs=0"], capture_output=True, text=True, env=env)
+    assert shell.returncode == 2 and shell.stdout == ""
+    assert shell.stderr == "error: eval.py finetune: argument --epochs: expected at least 1, got 0 (see eval.py " \
+                           "finetune --help)\n"
+    shell = subprocess.run([sys.executable, str(ROOT / "eval.py"), "finetune", inputs["model"],
+                            f"--task={inputs['root'] / 'onelabel'}"], capture_output=True, text=True, env=env)
+    assert shell.returncode == 2 and shell.stdout == "threads: 1 intra-op (--threads to change)\n"
+    assert shell.stderr.startswith("error: ") and shell.stderr.count("\n") == 1
+
+
+def test_every_flag_has_a_meaning_and_a_default_in_help():
+    commands = next(a for a in ev.parser()._actions if a.dest == "command").choices
+    assert set(commands) == {"cka", "finetune", "table", "mlm", "curves"}
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())  # argparse wraps lines
+        for action in sub._actions:
+            assert action.help and len(action.help) > 10, (name, action.dest)
+            if action.option_strings and action.dest != "help":
+                assert f"(default: {action.default})" in text, (name, action.dest)
+    finetune = " ".join(commands["finetune"].format_help().split())
+    assert "--lr LR AdamW peak learning rate (default: 5e-05)" in finetune
+    assert "--seeds SEEDS fine-tuning seeds" in finetune and "--max_len MAX_LEN tokens per text" in finetune
 
 
 def test_threads(monkeypatch, capsys):
-    monkeypatch.setattr(ev.os, "sched_getaffinity", lambda pid: {0})
-    assert ev.default_threads() == 1
-    monkeypatch.setattr(ev.os, "sched_getaffinity", lambda pid: set(range(4096)))
-    assert ev.default_threads() == torch.get_num_threads()
     with pytest.raises(SystemExit) as exit:
-        ev.main(["mlm", "model", "--data=data", "--threads=0"])
-    assert exit.value.code == 2 and capsys.readouterr().err == "error: argument --threads: expected at least 1, got 0 (see eval.py mlm --help)\n"
+        run(ev.main, ["mlm", "model", "--data=data", "--threads=0"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == ("error: eval.py mlm: argument --threads: expected at least 1, got 0 "
+                                       "(see eval.py mlm --help)\n")
+
+
+def test_curves_draws_several_runs(inputs, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "curves.png"
+    shutil.copytree(inputs["root"] / "run", tmp_path / "run2")
+    run(ev.main, ["curves", str(inputs["root"] / "run"), str(tmp_path / "run2"), f"--out={out}", "--names=a,b"])
+    assert out.stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------
+# Task files as real datasets ship them
 
 
 def test_bom_and_trailing_spaces_are_dropped(tmp_path):
@@ -95,37 +277,66 @@ def test_bom_and_trailing_spaces_are_dropped(tmp_path):
     for split in ("train", "dev", "test"):
         write(tmp_path / "tsv" / f"{split}.tsv", bom + "Aspirin\tO \ncures\tO\npain\tB-D  \n")
         write(tmp_path / "jsonl" / f"{split}.jsonl", bom + '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n')
-    tsv = ev.read_task(tmp_path / "tsv")
+    tsv = read_task(tmp_path / "tsv")
     assert tsv["train"][0]["words"] == ["Aspirin", "cures", "pain"] and tsv["labels"] == ["B-D", "O"]
-    assert ev.read_task(tmp_path / "jsonl")["labels"] == ["x", "y"]
+    assert read_task(tmp_path / "jsonl")["labels"] == ["x", "y"]
 
 
 def test_integer_labels_are_read_as_their_names(tmp_path):
     for split in ("train", "dev", "test"):
         write(tmp_path / "ints" / f"{split}.jsonl", '{"text": "a", "label": 0}\n{"text": "b", "label": 1}\n')
         write(tmp_path / "multi" / f"{split}.jsonl", '{"text": "a", "label": [0, 2]}\n{"text": "b", "label": []}\n')
-    assert ev.read_task(tmp_path / "ints")["labels"] == ["0", "1"]
-    assert ev.read_task(tmp_path / "multi")["labels"] == ["0", "2"]
+    assert read_task(tmp_path / "ints")["labels"] == ["0", "1"]
+    assert read_task(tmp_path / "multi")["labels"] == ["0", "2"]
     write(tmp_path / "ints" / "dev.jsonl", '{"text": "a", "label": 0.5}\n')
-    with pytest.raises(ev.DataError, match=r"ints/dev.jsonl:1: expected an object with 'text' .* 'label' \(a string "
-                                           r"or an integer"):
-        ev.read_task(tmp_path / "ints")
+    with pytest.raises(InputError, match=r"ints/dev.jsonl:1: expected an object with 'text' .* 'label' \(a non-empty "
+                                         r"string or an integer"):
+        read_task(tmp_path / "ints")
 
 
-def test_a_label_only_in_test_is_scored_as_never_predicted(inputs, tmp_path, capsys):
-    """The run goes on and its macro-F1 is scikit-learn's over the gold and predicted labels of the seed file."""
+def unseen_label_tasks(root):
+    """One task per kind whose test split holds a label that train lacks (and dev another, twice)."""
+    words = {"x": "cat", "y": "dog", "z": "owl", "w": "bee"}
+    single = {"train": [(f"{words[y]} {i}", y) for i, y in enumerate("xy" * 8)],
+              "dev": [("cat", "x"), ("bee", "w"), ("bee", "w")], "test": [("cat", "x"), ("dog", "y"), ("owl", "z")]}
+    jsonl_task(root / "single", single)
+    multi = {split: [(t, [y] if y != "y" else []) for t, y in rows] for split, rows in single.items()}
+    jsonl_task(root / "multi", multi)
+    sentence = lambda tags: "".join(f"w{i}\t{tag}\n" for i, tag in enumerate(tags)) + "\n"
+    write(root / "token" / "train.tsv", sentence(["O", "B-D", "I-D", "O"]) * 8)
+    write(root / "token" / "dev.tsv", sentence(["O", "B-W", "O"]) + sentence(["B-W", "O"]))
+    write(root / "token" / "test.tsv", sentence(["O", "B-D", "I-D"]) + sentence(["B-Z", "O"]))
+    return {"single": ("w", "z"), "multi": ("w", "z"), "token": ("B-W", "B-Z")}
+
+
+@pytest.mark.parametrize("kind", ["single", "multi", "token"])
+def test_every_kind_warns_once_and_scores_a_label_train_lacks(inputs, tmp_path, capsys, kind):
+    """The run goes on; each label train lacks is one warning; the scores are scikit-learn's and seqeval's over
+    the gold labels and the predictions of the seed file, the unseen label among the classes."""
+    from seqeval.metrics import f1_score as entity_f1
     from sklearn.metrics import f1_score
-    rows = {"train": ["x", "y"] * 8, "dev": ["x", "y"] * 2, "test": ["x", "y", "z", "z"]}
-    for split, labels in rows.items():
-        write(tmp_path / "rare" / f"{split}.jsonl", "".join(json.dumps({"text": f"{label} {i}", "label": label}) + "\n"
-                                                          for i, label in enumerate(labels)))
-    r = ev.finetune(inputs["model"], [tmp_path / "rare"], seeds=(1,), out=tmp_path / "r.json", epochs=1, max_len=16,
-                    device="cpu")["tasks"]["rare"]
-    assert "rare/test.jsonl:3: label 'z' does not occur" in capsys.readouterr().err
-    predictions = json.loads((tmp_path / "r.seeds" / "rare-seed1.json").read_text())["predictions"]
-    assert "z" not in predictions and r["labels"] == ["x", "y"]
-    assert r["seeds"]["1"]["test"]["macro_f1"] == pytest.approx(f1_score(rows["test"], predictions, average="macro",
-                                                                          zero_division=0), abs=1e-12)
+    from sklearn.preprocessing import MultiLabelBinarizer
+    unseen = unseen_label_tasks(tmp_path)[kind]
+    r = ev.finetune(inputs["model"], [tmp_path / kind], seeds=(1,), out=tmp_path / "r.json", epochs=1, max_len=16,
+                    device="cpu")["tasks"][kind]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and all(f"label {label!r} occurs in" in w for label, w in zip(unseen, warnings))
+    assert "and 1 more place(s)" in warnings[0] and r["kind"] == kind
+    saved, = (tmp_path / "r.seeds").glob(f"{kind}-seed1-*.json")
+    predictions = json.loads(saved.read_text())["predictions"]
+    gold, pred = [p["gold"] for p in predictions], [p["pred"] for p in predictions]
+    test = r["seeds"]["1"]["test"]
+    if kind == "multi":
+        binary = MultiLabelBinarizer(classes=["x", "w", "z"]).fit([])  # every label of the task
+        expected = f1_score(binary.transform(gold), binary.transform(pred), average="macro", zero_division=0)
+        assert unseen[1] not in {x for p in pred for x in p}
+    elif kind == "single":
+        expected = f1_score(gold, pred, average="macro", zero_division=0)
+        assert unseen[1] not in pred
+    else:
+        expected = f1_score(sum(gold, []), sum(pred, []), average="macro", zero_division=0)
+        assert test["entity_f1"] == pytest.approx(entity_f1(gold, pred), abs=1e-12)
+    assert test["macro_f1"] == pytest.approx(expected, abs=1e-12)
 
 
 def test_words_cut_by_max_len_are_counted():

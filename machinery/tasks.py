@@ -1,0 +1,198 @@
+"""The files eval.py reads: fine-tuning task folders (token<TAB>tag and JSONL), held-out texts, results
+files of `eval.py finetune`, and the content hashes that key saved results. Everything is checked in full
+before any model is loaded, so a typo in a test file does not cost a run. A reader of the recipe may skip
+this file."""
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+from machinery.cli import InputError, read_json
+
+SPLITS = ("train", "dev", "test")
+
+
+def sha256_file(path):
+    """The hex SHA-256 of a file's bytes, read in 16 MiB pieces (a model.safetensors can be gigabytes)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(1 << 24), b""):
+                digest.update(piece)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    return digest.hexdigest()
+
+
+def lines(path):
+    """(number, line) of a UTF-8 text file, a byte-order mark dropped (spreadsheet exports write one); invalid
+    UTF-8 is an error naming the line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{number}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+
+
+def read_tsv(path):
+    """Sentences of an IOB2 token<TAB>tag file, a blank line between sentences; spaces around a tag are
+    dropped. Each sentence: {"words", "label" (one tag per word), "line" (of its first word)}."""
+    sentences, words, tags, first = [], [], [], 0
+    for number, line in lines(path):
+        if not line.strip():
+            if words:
+                sentences.append({"words": words, "label": tags, "line": first})
+                words, tags = [], []
+            continue
+        parts = line.split("\t")
+        tag = parts[-1].strip()
+        iob2 = len(parts) == 2 and (tag == "O" or tag[:2] in ("B-", "I-") and len(tag) > 2)
+        if not iob2 or not parts[0]:
+            raise InputError(f"{path}:{number}: expected token<TAB>tag with an IOB2 tag (O, B-type, I-type), "
+                             f"got {line!r}")
+        first = first if words else number
+        words.append(parts[0])
+        tags.append(tag)
+    return sentences + ([{"words": words, "label": tags, "line": first}] if words else [])
+
+
+def label_text(label):
+    """Labels are names: integer class ids (as many datasets ship them) are read as their decimal strings."""
+    is_int = isinstance(label, int) and not isinstance(label, bool)
+    return str(label) if is_int else label
+
+
+def is_text(value):
+    """A string the tokenizer can take: a lone surrogate (JSON allows "\\ud800") cannot be encoded."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_jsonl(path, labelled=True):
+    """Examples of a JSONL file: {"text", "text_pair" (or None), "label", "line"}; a label is a string or an
+    integer (a name), or a list of them (multi-label). Blank lines are skipped."""
+    expected = "an object with 'text' (a string)" + (
+        ", 'label' (a non-empty string or an integer, or a list of them) and optionally 'text_pair' "
+        "(a string)"
+        if labelled else "")
+    examples = []
+    for number, line in lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise InputError(f"{path}:{number}: not valid JSON ({str(e)[:120]})") from None
+        row = row if isinstance(row, dict) else {}
+        label = row.get("label")
+        label = [label_text(x) for x in label] if isinstance(label, list) else label_text(label)
+        ok = is_text(row.get("text")) and (row.get("text_pair") is None or is_text(row["text_pair"]))
+        if labelled:  # a label is a non-empty name
+            names = label if isinstance(label, list) else [label]
+            ok = ok and all(is_text(x) and x for x in names)
+        if not ok:
+            raise InputError(f"{path}:{number}: expected {expected} (a string must be valid Unicode)")
+        examples.append({"text": row["text"], "text_pair": row.get("text_pair"), "label": label, "line": number})
+    return examples
+
+
+def labels_of(example):
+    """(label, line) of each label an example carries: one per word of a sentence, or those of a JSONL line."""
+    if "words" in example:
+        return [(tag, example["line"] + k) for k, tag in enumerate(example["label"])]
+    label = example["label"]
+    return [(x, example["line"]) for x in (label if isinstance(label, list) else [label])]
+
+
+def read_task(folder):
+    """A task folder, read and checked: {"name", "kind" ("token", "single" or "multi"), "labels" (those of
+    train: the classifier's outputs), "scored" (those labels, then any that only dev or test hold), "files",
+    "sha256" (per split), "train", "dev", "test"}. Each example gets its "index" in its file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder (a task is a folder with train, dev and test files)")
+    found = {ext for ext in (".tsv", ".jsonl") for s in SPLITS if (folder / f"{s}{ext}").is_file()}
+    if len(found) != 1:
+        raise InputError(f"{folder}: expected train/dev/test.tsv (token classification) or train/dev/test.jsonl "
+                         f"(sequence classification), found {'both' if found else 'neither'}")
+    ext = found.pop()
+    files = {s: folder / f"{s}{ext}" for s in SPLITS}
+    for path in files.values():
+        if not path.is_file():
+            raise InputError(f"{folder}: missing {path.name} (a task needs "
+                             f"{', '.join(p.name for p in files.values())})")
+    examples = {s: (read_tsv if ext == ".tsv" else read_jsonl)(p) for s, p in files.items()}
+    for split, rows in examples.items():
+        if not rows:
+            raise InputError(f"{files[split]}: no examples")
+        for index, ex in enumerate(rows):
+            ex["index"] = index
+    multi = ext == ".jsonl" and isinstance(examples["train"][0]["label"], list)
+    kind = "token" if ext == ".tsv" else "multi" if multi else "single"
+    labels, unseen = label_sets(examples, files, multi if ext == ".jsonl" else None)
+    if len(labels) < (1 if multi else 2):
+        raise InputError(f"{files['train']}: {len(labels)} distinct label(s) {labels}: nothing to learn")
+    for label, (where, count) in unseen.items():  # a real test set can hold a rare label that train lacks
+        more = f" and {count - 1} more place(s)" if count > 1 else ""
+        print(f"warning: label {label!r} occurs in {where}{more} but not in {files['train']}: it is never "
+              f"predicted and counts as missed", file=sys.stderr)
+    return {"name": folder.name, "kind": kind, "labels": labels, "scored": labels + sorted(unseen),
+            "files": {s: str(p) for s, p in files.items()},
+            "sha256": {s: sha256_file(p) for s, p in files.items()}, **examples}
+
+
+def label_sets(examples, files, multi):
+    """(train's labels sorted, {label only dev or test hold: (first file:line, count)}). multi: whether every
+    JSONL label must be a list (None for token files)."""
+    known, unseen = set(), {}
+    for split in SPLITS:
+        for ex in examples[split]:
+            if multi is not None and isinstance(ex["label"], list) != multi:
+                raise InputError(f"{files[split]}:{ex['line']}: label {ex['label']!r} mixes single-label and "
+                                 f"multi-label examples (the first train example decides)")
+            for label, line in labels_of(ex):
+                if split == "train":
+                    known.add(label)
+                elif label not in known:
+                    where, count = unseen.get(label, (f"{files[split]}:{line}", 0))
+                    unseen[label] = (where, count + 1)
+    return sorted(known), unseen
+
+
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def score(entry, metric):
+    """entry["test"][metric] when it is a finite number, else None."""
+    test = entry.get("test") if isinstance(entry, dict) else None
+    value = test.get(metric) if isinstance(test, dict) else None
+    return value if is_number(value) else None
+
+
+def load_results(path):
+    """A results file of `eval.py finetune`, checked: every task names its primary metric, and every seed
+    and the majority baseline have a finite test score on it (a NaN would print as a number)."""
+    r = read_json(path, "a results file of `eval.py finetune`")
+    tasks = r.get("tasks") if isinstance(r, dict) else None
+    if not isinstance(tasks, dict) or not tasks:
+        raise InputError(f"{path}: not a results file of `eval.py finetune` (no 'tasks' object)")
+    for name, t in tasks.items():
+        metric = t.get("primary") if isinstance(t, dict) else None
+        seeds = t.get("seeds") if isinstance(metric, str) else None
+        ok = isinstance(seeds, dict) and seeds and all(score(s, metric) is not None for s in seeds.values())
+        if not ok or score(t.get("baseline"), metric) is None:
+            raise InputError(f"{path}: task {name!r} lacks a finite {metric or 'primary'} test score for every "
+                             f"seed and for the baseline")
+    return r
