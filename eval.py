@@ -352,6 +352,8 @@ def plot_cka(r, path):
         ratio = [np.nan if x is None else x for x in r["ratio"]]
         draw_band(ax, r, low, high, np.ones(len(layers)), ratio)
         ax.plot(layers, ratio, "o-", color="C0", label=f"{a} vs {b}")
+        if all(x is not None and x > 0 for x in r["ratio"]):
+            ax.set_yscale("log")  # the paper's ratios span 1x to 44x
         ax.set(xlabel="layer (block output)", ylabel="1 - CKA over the controls' mean",
                title="divergence in seed-noise units (ratio)")
     for ax in axes[0]:
