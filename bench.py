@@ -1,27 +1,51 @@
 """
 Benchmarks (not tests): numbers to quote, medians of a few repeats, each against a peer in the same run.
 
-    python bench.py train [--presets base,large] [--phases clm,mlm] [--seq_lens 8192,1024] [--micro_tokens 8192,16384,32768]
-    python bench.py data [--corpus PATH] [--tokenizer PATH] [--threads N] [--repeats R]
+    python bench.py train [--presets=base] [--phases=clm,mlm] [--seq_lens=1024,8192] [--micro_tokens=32768]
+    python bench.py data [--corpus=PATH] [--tokenizer=PATH] [--repeats=3]
+    python bench.py gpu-report [--out=gpu-report.md]
 
 train: full training steps (forward, backward, optimizer) of our model and of transformers'
-ModernBertForMaskedLM with its fastest available attention and the same optimizer, on the same
-weights and batches, the two models' steps interleaved so that a busy machine slows both alike:
-tokens/s, MFU (model.flops_per_token), the step's memory above the resident weights, and the ratio
-to the peer. On a CPU it runs tiny and base at 2 x 256 tokens, so CI exercises it. It also prints,
-labelled as a prediction, the activation memory of the paper's setting (base, 8192 tokens, micro-batch 4).
+ModernBertForMaskedLM with its fastest available attention and the same optimizer, on the same weights and
+batches, the two models' steps interleaved so that a busy machine slows both alike: tokens/s, MFU
+(model.flops_per_token against train.py's per-GPU peak table), peak memory (the model's weights and Adam
+state, plus the most its step allocates) and the ratio to the peer. On a GPU it runs base at 1,024 and 8,192
+tokens per sequence, 32,768 tokens per micro-batch (the paper's 4 x 8,192), CLM and MLM, in bf16 autocast
+with our blocks compiled; on a CPU tiny and base at 2 x 256 tokens, so that CI runs the same code. It also
+prints, labelled as a prediction, the activation memory of the paper's setting (base, 4 x 8,192 tokens).
+
 data: tokenizer throughput against Hugging Face `tokenizers` on the same threads (and whether the ids agree),
-`prepare` end to end, and the loader's MLM batches of 8192-token sequences on one core.
+`prepare` end to end, and the loader's MLM batches of 8,192-token sequences on one core.
+
+gpu-report: the GPU acceptance in one command: `python -m pytest -m gpu`, each test's result read from its
+JUnit XML, then `train` with its GPU defaults; one markdown file with the date, the GPU, the versions, the
+commands, the suite's results (seconds per test) and the bench table, to paste into the README. Sized for
+8 minutes of tests and 4 bench rows on one H100; not yet timed on one.
 """
 import argparse
+import datetime
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import traceback
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parent.parent / "shared"
+from machinery.cli import InputError, Parser, autocast, pick_device, pick_threads, positive_int, run
+
+HERE = Path(__file__).resolve().parent
+SHARED = HERE.parent / "shared"
+# what gpu-report runs, as its report names them
+SUITE = "python -m pytest -m gpu -rA"
+BENCH = "python bench.py train --device=cuda"
+GPU_DEFAULTS = dict(presets=["base"], seq_lens=[1024, 8192], micro_tokens=[32768])
+CPU_DEFAULTS = dict(presets=["tiny", "base"], seq_lens=[256], micro_tokens=[512])
 
 
 def timed(fn, repeats):
@@ -40,6 +64,7 @@ def bench_data(args):
 
     import data
 
+    torch.set_num_threads(args.threads)
     texts = [json.loads(line)["text"] for line in open(args.corpus, encoding="utf-8")]
     mb = sum(len(t.encode()) for t in texts) / 1e6
     print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB of text; {args.threads} threads, "
@@ -92,80 +117,86 @@ def causal_masks(seq_len, window, device):
     import torch
     i = torch.arange(seq_len, device=device)
     causal = i[None, :] <= i[:, None]
-    return {"full_attention": causal[None, None], "sliding_attention": (causal & (i[:, None] - i[None, :] <= window))[None, None]}
+    local = causal & (i[:, None] - i[None, :] <= window)
+    return {"full_attention": causal[None, None], "sliding_attention": local[None, None]}
+
+
+def allocated(device):
+    import torch
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def interleaved(steps, device, warmup, repeats):
     """Median seconds per step of each function, called in turn (a, b, a, b, ...) so that load from other
-    processes hits all alike; on CUDA also the step's peak memory above what was allocated before it, in GB."""
+    processes hits all alike; on CUDA also the most each step allocated above what was allocated before it."""
     import torch
     cuda = device.type == "cuda"
-    times, memory = [[] for _ in steps], [0.0 for _ in steps]
+    times, memory = [[] for _ in steps], [0 for _ in steps]
     for i in range(warmup + repeats):
         for k, step in enumerate(steps):
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
+            before = allocated(device)
             t0 = time.perf_counter()
             step()
             if cuda:
                 torch.cuda.synchronize(device)
-                memory[k] = max(memory[k], (torch.cuda.max_memory_allocated(device) - before) / 1e9)
+                memory[k] = max(memory[k], torch.cuda.max_memory_allocated(device) - before)
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
-    return [(statistics.median(t), m if cuda else None) for t, m in zip(times, memory)]
+    return [(statistics.median(t), m) for t, m in zip(times, memory)]
 
 
 def measure(args, preset, phase, seq_len, micro):
     """One row: ours and the peer on the same weights, batch and optimizer, their steps interleaved."""
-    import contextlib
-
     import torch
     import transformers
 
     from model import ModernBERT, ModernBERTConfig
-    from train import AdamW, peak_flops
+    from train import PEAK_FLOPS, AdamW
 
-    device = torch.device(args.device)
+    device = args.device
+    torch._dynamo.reset()  # each row compiles afresh: dynamo runs eager past 8 graphs of one function
     torch.manual_seed(0)
     cfg = ModernBERTConfig.from_preset(preset)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     x, y = batch(cfg.vocab_size, micro, seq_len, phase, device)
+    y_host = y.cpu()  # ours reads its labels on the host, as train.py gives them (no device sync)
     causal = phase == "clm"
-    ours = ModernBERT(cfg, args.backend).to(device)
-    row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
-               backend=ours.attention_backend(device))
-    flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
-    peak = peak_flops(device)
 
-    # the peer: same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
+    def on_device(make):
+        """A model on the device with its optimizer, and the bytes both keep there (weights, Adam state)."""
+        before = allocated(device)
+        model = make().to(device)
+        return model, AdamW(ModernBERT.param_groups(model), 2e-4), allocated(device) - before
+
+    ours, ours_opt, ours_resident = on_device(lambda: ModernBERT(cfg, args.backend))
     attn = args.peer_attention
-    if attn == "auto":
-        flash = device.type == "cuda" and __import__("importlib").util.find_spec("flash_attn") is not None
+    if attn == "auto":  # its fastest: flash-attn where installed (it has no causal mode), else SDPA
+        flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
         attn = "flash_attention_2" if flash and not causal else "sdpa"
+    # the peer: same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
     hf_cfg = transformers.ModernBertConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures",
                                            "model_type", "layer_types", "rope_parameters", "mask_token_id")},
                                            sparse_prediction=not causal, attn_implementation=attn)
-    peer = transformers.ModernBertForMaskedLM(hf_cfg).to(device)
+    peer, peer_opt, peer_resident = on_device(lambda: transformers.ModernBertForMaskedLM(hf_cfg))
     peer.load_state_dict(ours.state_dict())
     masks = causal_masks(seq_len, cfg.window, device) if causal else None
-    row["peer_attention"] = attn
-    forwards = {"ours": lambda: ours(x, labels=y, causal=causal)[1],
+    forwards = {"ours": lambda: ours(x, labels=y_host, causal=causal)[1],
                 "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
+    row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
+               backend=ours.attention_backend(device), peer_attention=attn)
     for name, model in (("ours", ours), ("peer", peer)):
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), autocast(device):
             row[f"loss_{name}"] = forwards[name]().item()
         model.train()
     if args.compile:
         for block in ours.model.layers:  # regional compilation, as train.py does
             block.compile()
 
-    def training_step(model, forward):
-        opt = AdamW(ModernBERT.param_groups(model), 2e-4)
-
+    def training_step(model, opt, forward):
         def step():
-            with autocast:
+            with autocast(device):
                 loss = forward()
             loss.backward()
             opt.step(2e-4)
@@ -174,18 +205,22 @@ def measure(args, preset, phase, seq_len, micro):
         return step
 
     try:
-        results = interleaved([training_step(ours, forwards["ours"]), training_step(peer, forwards["peer"])],
-                              device, args.warmup, args.steps)
+        results = interleaved([training_step(ours, ours_opt, forwards["ours"]),
+                               training_step(peer, peer_opt, forwards["peer"])], device, args.warmup, args.steps)
     except torch.cuda.OutOfMemoryError:
-        results = None
-    for name, result in zip(("ours", "peer"), results or [None, None]):
-        if result is None:
+        results = ["OOM", "OOM"]
+    flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu), None)
+    for name, result, resident in (("ours", results[0], ours_resident), ("peer", results[1], peer_resident)):
+        if result == "OOM":
             row[name] = "OOM"
             continue
         seconds, memory = result
-        row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3, memory_gb=memory,
+        row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3,
+                         memory_gb=(resident + memory) / 2**30 if device.type == "cuda" else None,
                          mfu=flops * micro * seq_len / seconds / peak if peak else None)
-    del ours, peer
+    del ours, peer, ours_opt, peer_opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -198,7 +233,8 @@ def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
     the attention output (2d) and its log-sum-exp (4H), Wi's output (4I, alive through GELU's input and the
     gate), GELU's output (2I) and mlp.Wo's input (2I): 24d + 8I + 4H bytes, less 4d in block 0 (no attn_norm).
     Plus the embeddings and final_norm (12d per token), the head on the predicted rows (12d) and the loss's
-    fp32 weight gradient. tests/test_backends.py checks the per-token part against autograd's saved tensors."""
+    fp32 weight gradient. tests/test_backends.py checks the per-token part against autograd's saved tensors
+    on a CPU, tests/test_gpu.py against the CUDA allocator."""
     d, i, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     tokens = seq_len * micro
     per_token = cfg.num_hidden_layers * (24 * d + 8 * i + 4 * h) - 4 * d + 12 * d + mask_rate * 12 * d
@@ -206,33 +242,35 @@ def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
 
 
 def print_prediction():
-    from model import ModernBERTConfig
+    import torch
+
+    from model import ModernBERT, ModernBERTConfig
     cfg = ModernBERTConfig.from_preset("base")
+    with torch.device("meta"):
+        params = ModernBERT(cfg).num_params() * (4 + 4 + 8) / 2**30  # fp32 weights, gradients, two Adam moments
     for phase, rate in (("mlm", 0.3), ("clm", 1.0)):
-        gb = activation_memory(cfg, 8192, 4, rate) / 2 ** 30
-        params = 149_655_232 * (4 + 4 + 8) / 2 ** 30  # fp32 weights, gradients, two Adam moments
+        gb = activation_memory(cfg, 8192, 4, rate) / 2**30
         print(f"PREDICTION (on paper, not measured): base {phase}, 4 x 8192 tokens, bf16 autocast, flash backend: "
               f"activations {gb:.1f} GiB + weights, gradients and Adam moments {params:.1f} GiB")
 
 
-def bench_train(args):
+def bench_train(args, rows=None):
+    """The table, row by row; the rows, appended to `rows` as they are measured (a failure keeps those done)."""
     import torch
-    cpu = args.device == "cpu"
-    presets = args.presets or (["tiny", "base"] if cpu else ["base", "large"])
-    seq_lens = args.seq_lens or ([256] if cpu else [8192, 1024])
-    micro_tokens = args.micro_tokens or ([512] if cpu else [8192, 16384, 32768])
-    print(f"torch {torch.__version__}, device {args.device}"
-          f"{' (' + torch.cuda.get_device_name(args.device) + ')' if not cpu else ''}, {torch.get_num_threads()} "
-          f"threads, {args.warmup} warm-up + median of {args.steps} interleaved steps, compile={args.compile}")
+    torch.set_num_threads(args.threads)
+    gpu = f" ({torch.cuda.get_device_name(args.device)})" if args.device.type == "cuda" else ""
+    print(f"torch {torch.__version__}, device {args.device}{gpu}, {torch.get_num_threads()} threads, {args.warmup} "
+          f"warm-up + median of {args.steps} interleaved steps, compile={args.compile}")
     print_prediction()
-    head = (f"{'preset':6} {'phase':5} {'seq':>5} {'micro':>5} {'attn':>5} | {'ours tok/s':>11} {'MFU':>6} {'GB':>6} | "
-            f"{'peer tok/s':>11} {'MFU':>6} {'GB':>6} {'peer attn':>17} | {'ratio':>6} | {'loss ours':>9} {'peer':>9}")
+    head = (f"{'preset':6} {'phase':5} {'seq':>5} {'micro':>5} {'attn':>5} | {'ours tok/s':>11} {'MFU':>6} "
+            f"{'GiB':>6} | {'peer tok/s':>11} {'MFU':>6} {'GiB':>6} {'peer attn':>17} | {'ratio':>6} | "
+            f"{'loss ours':>9} {'peer':>9}")
     print(head + "\n" + "-" * len(head))
-    rows = []
-    for preset in presets:
-        for seq_len in seq_lens:
+    rows = [] if rows is None else rows
+    for preset in args.presets:
+        for seq_len in args.seq_lens:
             for phase in args.phases:
-                for tokens in micro_tokens:
+                for tokens in args.micro_tokens:
                     row = measure(args, preset, phase, seq_len, max(1, tokens // seq_len))
                     rows.append(row)
                     print(format_row(row), flush=True)
@@ -241,76 +279,161 @@ def bench_train(args):
     return rows
 
 
+def cells(m):
+    """tokens/s, MFU and peak GiB of one side of a row, as text ('OOM' fills the first)."""
+    if not isinstance(m, dict):
+        return [m, "", ""]
+    return [f"{m['tokens_per_s']:,.0f}", f"{m['mfu']:.1%}" if m["mfu"] is not None else "-",
+            f"{m['memory_gb']:.1f}" if m["memory_gb"] is not None else "-"]
+
+
+def ratio(r):
+    both = isinstance(r["ours"], dict) and isinstance(r["peer"], dict)
+    return f"{r['ours']['tokens_per_s'] / r['peer']['tokens_per_s']:.2f}x" if both else "-"
+
+
 def format_row(r):
-    def cells(m):
-        if not isinstance(m, dict):
-            return f"{m or '-':>11} {'':>6} {'':>6}"
-        mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "-"
-        gb = f"{m['memory_gb']:.1f}" if m["memory_gb"] is not None else "-"
-        return f"{m['tokens_per_s']:>11,.0f} {mfu:>6} {gb:>6}"
-    ratio = (f"{r['ours']['tokens_per_s'] / r['peer']['tokens_per_s']:.2f}x"
-             if isinstance(r["ours"], dict) and isinstance(r["peer"], dict) else "-")
-    return (f"{r['preset']:6} {r['phase']:5} {r['seq_len']:>5} {r['micro']:>5} {r['backend']:>5} | {cells(r['ours'])} | "
-            f"{cells(r['peer'])} {r['peer_attention']:>17} | {ratio:>6} | {r['loss_ours']:>9.4f} {r['loss_peer']:>9.4f}")
+    ours, peer = ("{:>11} {:>6} {:>6}".format(*cells(r[k])) for k in ("ours", "peer"))
+    return (f"{r['preset']:6} {r['phase']:5} {r['seq_len']:>5} {r['micro']:>5} {r['backend']:>5} | {ours} | "
+            f"{peer} {r['peer_attention']:>17} | {ratio(r):>6} | {r['loss_ours']:>9.4f} {r['loss_peer']:>9.4f}")
+
+
+# ----------------------------------------------------------------------------
+# The GPU report: the gpu test suite and the train bench, in one markdown file
+
+
+def suite_results(junit):
+    """[(test, outcome, seconds, note)] from pytest's JUnit XML: outcome passed, failed, error or skipped;
+    note the skip reason or the failure's first line."""
+    results = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "").rsplit(".", 1)[-1]
+        outcome, note = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome, text = {"failure": "failed"}.get(tag, tag), (found.get("message") or found.text or "")
+                note = (text.strip().splitlines() or [""])[0]
+                break
+        results.append((f"{module}::{case.get('name')}", outcome, float(case.get("time", 0)), note))
+    return results
+
+
+def cell(text, limit=200):
+    """Text that stays inside one markdown table cell."""
+    text = " ".join(str(text).split())
+    return (text[:limit - 3] + "..." if len(text) > limit else text).replace("|", "\\|")
+
+
+def suite_section(results, command, seconds):
+    counts = {k: sum(r[1] == k for r in results) for k in ("passed", "failed", "error", "skipped")}
+    lines = [f"## `{command}`: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" in {seconds / 60:.1f} min",
+             "", "| test | result | seconds | note |", "|---|---|---:|---|"]
+    lines += [f"| {cell(t)} | {o} | {s:.1f} | {cell(n)} |" for t, o, s, n in results]
+    if not results:
+        lines.append("| (no JUnit results: the suite did not run to its end) | - | - | - |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_section(rows, args, command, failure=None):
+    precision = "bf16 autocast" if args.device.type == "cuda" else "fp32"
+    lines = [f"## `{command}`: ours against transformers on the same device, weights, batch and optimizer",
+             "", f"{args.warmup} warm-up steps, then the median of {args.steps}; the two models' steps interleaved; "
+             f"{precision}; our blocks compiled: {args.compile}. Peak GiB: the model's weights and Adam state "
+             f"plus the most its step allocated. MFU: model.flops_per_token (attention included) against the "
+             f"GPU's dense bf16 peak. Loss: both models on the same first batch, before training.", "",
+             "| preset | phase | seq x micro | ours: attention | tok/s | MFU | peak GiB | transformers: attention "
+             "| tok/s | MFU | peak GiB | ratio | loss ours / transformers |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | "
+                     + " | ".join(cells(r["ours"])) + f" | {r['peer_attention']} | " + " | ".join(cells(r["peer"]))
+                     + f" | {ratio(r)} | {r['loss_ours']:.4f} / {r['loss_peer']:.4f} |")
+    if failure:
+        lines += ["", f"The bench stopped: `{cell(failure, 400)}`"]
+    return "\n".join(lines) + "\n"
+
+
+def version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device):
+    """What ran the report: GPU, versions and the code's commit, as (name, value) pairs."""
+    import torch
+    p = torch.cuda.get_device_properties(device)
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return [("GPU", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}"),
+            ("PyTorch", f"{torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})"),
+            ("Triton", version("triton")), ("transformers", version("transformers")),
+            ("flash-attn", version("flash-attn")), ("Python", sys.version.split()[0]), ("code", commit + dirty)]
+
+
+def gpu_report(args):
+    """Runs the gpu test suite in a subprocess (its output streams to the terminal), then the train bench with
+    its GPU defaults in this process; writes one markdown file, whatever failed. Exit status 1 if anything did."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "gpu.xml"
+        t0 = time.perf_counter()
+        code = subprocess.run([sys.executable, *SUITE.split()[1:], f"--junitxml={junit}"], cwd=HERE).returncode
+        seconds = time.perf_counter() - t0
+        results = suite_results(junit) if junit.is_file() else []
+    train_args = parser().parse_args([*BENCH.split()[2:], f"--threads={args.threads}"])
+    resolve(train_args)
+    rows, failure = [], None
+    try:
+        bench_train(train_args, rows)
+    except Exception as e:  # the report still says what the suite found, and the rows measured
+        traceback.print_exc()
+        failure = f"{type(e).__name__}: {e}"
+    minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
+    header = [f"# GPU acceptance, {started:%Y-%m-%d %H:%M} UTC", "",
+              f"`python bench.py gpu-report --out={args.out}`: {minutes:.1f} minutes in all.", "",
+              "| | |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in environment(train_args.device)]
+    Path(args.out).write_text("\n".join(header) + "\n\n" + suite_section(results, SUITE, seconds) + "\n"
+                              + bench_section(rows, train_args, BENCH, failure))
+    bad = [r for r in results if r[1] in ("failed", "error")]
+    print(f"wrote {args.out}: {len(results)} tests, {len(bad)} failed; {len(rows)} bench rows"
+          + (f"; the bench stopped ({failure.splitlines()[0][:200]})" if failure else ""))
+    return 1 if bad or code not in (0, 5) or failure or not results else 0
 
 
 # ----------------------------------------------------------------------------
 # Command line: every flag and input file checked before any model is built
 
 
-class BenchError(ValueError):
-    """A bad flag or input file: main() prints it as one `error: ...` line and exits with code 2."""
+def names(known):
+    """argparse type: a comma-separated list of names, each one of `known`."""
+    def parse(text):
+        values = [v for v in text.split(",") if v]
+        unknown = [v for v in values if v not in known]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; expected some of {', '.join(known)}")
+        return values
+    return parse
 
 
-def check_args(args):
-    import torch
-
-    def require(ok, message):
-        if not ok:
-            raise BenchError(message)
-
-    require(args.threads >= 1, f"--threads={args.threads}: expected at least 1")
-    if args.command == "data":
-        require(args.repeats >= 1, f"--repeats={args.repeats}: expected at least 1")
-        require(args.corpus.is_file(), f"--corpus={args.corpus}: no such file (expected a JSONL file of texts)")
-        import data
-        try:
-            data.load_tokenizer(args.tokenizer)
-        except (OSError, ValueError) as e:
-            raise BenchError(f"--tokenizer={args.tokenizer}: not a usable tokenizer ({str(e).splitlines()[0][:200]})")
-        return
-    from model import BACKENDS, PRESETS, pick_backend
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise BenchError(f"--device={args.device}: expected cpu, cuda or cuda:N") from None
-    require(device.type in ("cpu", "cuda"), f"--device={args.device}: expected cpu, cuda or cuda:N")
-    require(device.type != "cuda" or torch.cuda.is_available(), f"--device={args.device}: CUDA is not available here")
-    unknown = sorted(set(args.presets or []) - set(PRESETS))
-    require(not unknown, f"--presets: unknown {unknown}; expected some of {', '.join(PRESETS)}")
-    require(args.phases and set(args.phases) <= {"clm", "mlm"},
-            f"--phases={','.join(args.phases)}: expected clm, mlm or both")
-    require(all(1 <= t <= 8192 for t in args.seq_lens or []), "--seq_lens: expected lengths in [1, 8192]")
-    require(all(t >= 1 for t in args.micro_tokens or []), "--micro_tokens: expected positive token counts")
-    require(args.warmup >= 0, f"--warmup={args.warmup}: expected 0 or more")
-    require(args.steps >= 1, f"--steps={args.steps}: expected at least 1")
-    require(args.backend == "auto" or args.backend in BACKENDS, f"--backend={args.backend}: expected auto or one of "
-            f"{', '.join(BACKENDS)}")
-    try:
-        pick_backend(device, args.backend)
-    except ValueError as e:
-        raise BenchError(f"--backend={args.backend}: {e}") from None
-    require(args.peer_attention in ("auto", "sdpa", "eager", "flash_attention_2"),
-            f"--peer_attention={args.peer_attention}: expected auto, sdpa, eager or flash_attention_2")
-    require(args.json is None or Path(args.json).parent.is_dir(), f"--json={args.json}: its directory does not exist")
-
-
-def flag_list(kind):
+def counts(top=None):
+    """argparse type: a comma-separated list of integers in [1, top]."""
     def parse(text):
         try:
-            return [kind(v) for v in text.split(",") if v]
+            values = [int(v) for v in text.split(",") if v]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}") from None
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values or not all(1 <= v <= (top or v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected integers in [1, {top or 'any'}], got {text}")
+        return values
     return parse
 
 
@@ -320,63 +443,88 @@ def flag_bool(text):
     return text.lower() in ("1", "true", "yes")
 
 
-def default_threads():
-    """OMP_NUM_THREADS when set (a shared machine's budget), else the cores this process may run on."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, like every other bad input
-        self.exit(2, f"error: {message}\n")
-
-
-def main():
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    t = sub.add_parser("train", help="training steps of our model against transformers' ModernBertForMaskedLM")
-    t.add_argument("--device", default=None, help="default cuda when available, else cpu")
-    t.add_argument("--presets", type=flag_list(str), help="default base,large on GPU, tiny,base on CPU")
-    t.add_argument("--phases", type=flag_list(str), default=["clm", "mlm"])
-    t.add_argument("--seq_lens", type=flag_list(int), help="default 8192,1024 on GPU, 256 on CPU")
-    t.add_argument("--micro_tokens", type=flag_list(int),
-                   help="tokens per micro-batch, the sweep (default 8192,16384,32768 on GPU, 512 on CPU)")
-    t.add_argument("--warmup", type=int, default=3)
-    t.add_argument("--steps", type=int, default=10)
+def parser():
+    from model import BACKENDS, PRESETS
+    p = Parser(prog="bench.py", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = {"train": "training steps of our model against transformers' ModernBertForMaskedLM",
+                "data": "tokenizer, prepare and loader throughput",
+                "gpu-report": "the gpu test suite and the train bench, written to one markdown file"}
+    t, d, g = (sub.add_parser(name, help=text, description=text) for name, text in commands.items())
+    t.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when there is one")
+    t.add_argument("--presets", type=names(PRESETS), help="model sizes; None: base on a GPU, tiny,base on a CPU")
+    t.add_argument("--phases", type=names(("clm", "mlm")), default="clm,mlm", help="objectives to time")
+    t.add_argument("--seq_lens", type=counts(8192), help="tokens per sequence; None: 1024,8192 on a GPU, 256 on a CPU")
+    t.add_argument("--micro_tokens", type=counts(),
+                   help="tokens per micro-batch, a sweep; None: 32768 on a GPU (the paper's 4 x 8192), 512 on a CPU")
+    t.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator warm-up)")
+    t.add_argument("--steps", type=positive_int, default=10, help="timed steps of each model; the median counts")
     t.add_argument("--compile", type=flag_bool, default=None,
-                   help="torch.compile our blocks, as train.py does (default: on CUDA; not on a CPU, where it "
-                        "measured 1.01-1.05x for 11 s or more of compilation)")
-    t.add_argument("--backend", default="auto", help="our attention backend: auto, flash, flex, sdpa")
-    t.add_argument("--peer_attention", default="auto",
-                   help="transformers attn_implementation (auto: fastest available)")
+                   help="torch.compile our blocks, as train.py does; None: on CUDA, not on a CPU (where it measured "
+                        "1.01-1.05x for 11 s or more of compilation)")
+    t.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="our attention backend")
+    t.add_argument("--peer_attention", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"],
+                   help="transformers' attn_implementation (auto: flash_attention_2 where installed, else sdpa)")
     t.add_argument("--json", help="also write the rows to this file")
-    t.set_defaults(run=bench_train)
-    p = sub.add_parser("data", help="tokenizer, prepare and loader throughput")
-    p.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus" / "e3c_en_clinical_cases.jsonl")
-    p.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "modernbert" / "tokenizer.json")
-    p.add_argument("--repeats", type=int, default=3)
-    p.set_defaults(run=bench_data)
-    for command in (t, p):
-        command.add_argument("--threads", type=int, default=default_threads(),
-                             help="intra-op threads (default: OMP_NUM_THREADS, else the cores available)")
-    args = parser.parse_args()
-    # the Rust thread pool reads these when `tokenizers` first runs: set them before anything imports it
-    os.environ["RAYON_NUM_THREADS"] = str(max(1, args.threads))
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    import torch
-    if args.command == "train":
-        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus" / "e3c_en_clinical_cases.jsonl",
+                   help="a JSONL file of {\"text\": ...} documents")
+    d.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "modernbert" / "tokenizer.json",
+                   help="a tokenizer.json that data.py loads")
+    d.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; the median counts")
+    g.add_argument("--out", default="gpu-report.md", help="the markdown file to write")
+    for command in (t, d, g):
+        command.add_argument("--threads", type=positive_int,
+                             help="intra-op CPU threads; None: $OMP_NUM_THREADS, else the idle cores")
+    return p
+
+
+def resolve(args):
+    """Check every flag and file and fill the defaults that depend on the machine; InputError names the flag."""
+    if args.command == "gpu-report":
+        import torch
+        if not torch.cuda.is_available():
+            raise InputError("gpu-report needs a CUDA device, and this machine has none (torch.cuda.is_available() "
+                             "is False); run it where a GPU is")
+        if not Path(args.out).resolve().parent.is_dir():
+            raise InputError(f"--out={args.out}: its directory does not exist")
+        return
+    if args.command == "data":
+        if not args.corpus.is_file():
+            raise InputError(f"--corpus={args.corpus}: no such file (expected a JSONL file of texts)")
+        import data
+        try:
+            data.load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise InputError(f"--tokenizer={args.tokenizer}: not a usable tokenizer "
+                             f"({(str(e).splitlines() or [''])[0][:200]})") from None
+        return
+    args.device = pick_device(args.device, flag="--device")
+    from model import pick_backend
     try:
-        check_args(args)
-    except BenchError as e:
-        parser.exit(2, f"error: {e}\n")
-    torch.set_num_threads(args.threads)
-    if args.command == "train" and args.compile is None:
-        args.compile = torch.device(args.device).type == "cuda"
-    args.run(args)
+        pick_backend(args.device, args.backend)
+    except ValueError as e:
+        raise InputError(f"--backend={args.backend}: {e}") from None
+    if args.warmup < 0:
+        raise InputError(f"--warmup={args.warmup}: expected 0 or more")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        raise InputError(f"--json={args.json}: its directory does not exist")
+    for key, value in (GPU_DEFAULTS if args.device.type == "cuda" else CPU_DEFAULTS).items():
+        setattr(args, key, getattr(args, key) or value)
+    if args.compile is None:
+        args.compile = args.device.type == "cuda"
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    args.threads = pick_threads(args.threads)
+    # the Rust thread pool reads these when `tokenizers` first runs: set them before anything imports it
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    resolve(args)
+    if args.command == "gpu-report":
+        return gpu_report(args)  # its exit status: 1 if a test or the bench failed
+    (bench_train if args.command == "train" else bench_data)(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

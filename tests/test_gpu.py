@@ -1,0 +1,413 @@
+"""The GPU acceptance suite, `python -m pytest -m gpu` (`python bench.py gpu-report` runs it and writes its
+results to one file): every CUDA path of the recipe, each test asserting numbers. bf16 autocast training with
+each attention backend against an fp32 reference, compiled blocks against eager ones, the trainer's command
+line under torchrun (NCCL), parity with transformers, the activation-memory prediction against the CUDA
+allocator, and the host syncs of a training step. Without CUDA every test is collected and skipped.
+
+Tolerances, stated once. bf16 keeps 8 significant bits: one rounding errs by up to 2^-8 = 0.4% of the value,
+and a value passes through about ten rounded matmuls and casts between the embeddings and the loss. A mean
+over hundreds of labelled positions averages these errors, so the loss stays within 1% of fp32; a gradient
+is a sum of such terms, so its direction stays within cosine 0.99 of fp32's and its norm within 5%. (CPU
+bf16 autocast on the same batches: loss within 2e-5, cosines above 0.9996, norms within 0.2%.) A wrong mask
+moves gradients far outside these bounds: the fp32 gradients of the other mode (causal for bidirectional)
+have cosines near 0.5 with the right ones, and the backend tests check that they fail the bound."""
+import contextlib
+import copy
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import bench
+import data
+import train
+from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
+from machinery.cli import autocast
+from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig, read_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = torch.device("cuda")
+T = 256  # two FlexAttention blocks of 128 tokens, longer than a local layer's window (64 on each side)
+LOSS_RTOL, MIN_COSINE, NORM_RTOL = 1e-2, 0.99, 0.05  # bf16 against fp32: see the module's docstring
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler_and_ieee_fp32():
+    """Each test compiles from an empty dynamo cache: earlier tests' FlexAttention graphs would count against
+    dynamo's limit of 8 per function, past which it runs eager (and eager FlexAttention materialises every
+    score). fp32 means IEEE fp32 here: TF32, which train.py enables, keeps 10 bits of a matmul's inputs."""
+    torch._dynamo.reset()
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ----------------------------------------------------------------------------
+# Batches, losses and gradients
+
+
+def make_batch(layout, causal, seed=0, B=3):
+    """(ids on the GPU, attention_mask, labels on the host as train.py keeps them, doc_ids). padded: rows of
+    256, 180 and 37 real tokens; packed: full rows of documents of random lengths (80 tokens on average).
+    Labels: the next token (causal), or 30% of the real tokens (bidirectional)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    real = torch.ones(B, T, dtype=torch.bool)
+    mask = docs = None
+    if layout == "padded":
+        real = torch.arange(T)[None, :] < torch.tensor([256, 180, 37][:B])[:, None]
+        ids[~real] = BYTE_IDS["pad_token_id"]
+        mask = real.long().to(CUDA)
+    else:
+        docs = (torch.rand(B, T, generator=g) < 1 / 80).cumsum(1).to(CUDA)
+    if causal:
+        labels = torch.full((B, T), IGNORE_INDEX)
+        labels[:, :-1] = torch.where(real[:, 1:], ids[:, 1:], IGNORE_INDEX)
+    else:
+        labels = torch.where(real & (torch.rand(B, T, generator=g) < 0.3), ids, IGNORE_INDEX)
+    return ids.to(CUDA), mask, labels, docs
+
+
+def loss_and_grads(model, batch, causal, bf16):
+    """The training loss and every parameter's gradient (fp32 copies), under bf16 autocast or in fp32."""
+    ids, mask, labels, docs = batch
+    model.zero_grad(set_to_none=True)
+    with autocast(CUDA) if bf16 else contextlib.nullcontext():
+        loss = model(ids, mask, labels=labels, causal=causal, doc_ids=docs)[1]
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def cosine(a, b):
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def assert_close_in_bf16(got, want, what, loss_rtol=LOSS_RTOL):
+    """got and want are (loss, gradients): the loss within loss_rtol, each gradient within MIN_COSINE in
+    direction and NORM_RTOL in norm."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), f"{what}: loss {loss:.5f}, reference {ref_loss:.5f}"
+    for name, ref in ref_grads.items():
+        c, ratio = cosine(grads[name], ref), (grads[name].norm() / ref.norm()).item()
+        assert c > MIN_COSINE and abs(ratio - 1) < NORM_RTOL, f"{what}: {name}: cosine {c:.5f}, norm ratio {ratio:.4f}"
+
+
+# ----------------------------------------------------------------------------
+# Every attention backend trains in bf16
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_backend_trains_in_bf16_close_to_fp32(backend, causal, layout):
+    """Forward, backward and a train.AdamW step under bf16 autocast, against the fp32 SDPA reference of the
+    same weights (SDPA's fp32 equals transformers to 1e-4 on a CPU, tests/test_model.py); the step against
+    torch.optim.AdamW on the same gradients."""
+    if backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (its path is tested on a CPU through tests/fake_flash_attn.py)")
+    model = tiny_model().to(CUDA).train()  # dropout 0: train mode changes nothing but autograd's bookkeeping
+    batch = make_batch(layout, causal)
+    model.backend = "sdpa"
+    reference = loss_and_grads(model, batch, causal, bf16=False)
+    other_mode = loss_and_grads(model, batch, not causal, bf16=False)
+    model.backend = backend
+    got = loss_and_grads(model, batch, causal, bf16=True)
+    assert_close_in_bf16(got, reference, f"{backend} bf16 against sdpa fp32")
+    assert min(cosine(other_mode[1][n], g) for n, g in reference[1].items()) < MIN_COSINE  # a wrong mask shows
+
+    lr, wd = 1e-3, 0.1  # a large decay, so that the decoupled scaling is visible
+    twin = copy.deepcopy(model)
+    for name, p in twin.named_parameters():
+        p.grad = got[1][name].clone()
+    oracle = torch_adamw_oracle(twin, lr, wd)
+    train.AdamW(model.param_groups(), lr, weight_decay=wd).step(lr)
+    oracle.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+    after = loss_and_grads(model, batch, causal, bf16=True)[0]
+    assert after < got[0] - 0.01, f"one step did not lower the loss on its own batch: {got[0]:.4f} -> {after:.4f}"
+
+
+# ----------------------------------------------------------------------------
+# torch.compile of the blocks
+
+
+def test_compiled_blocks_match_eager_and_never_recompile():
+    """Regional compilation as train.py does it, on CUDA (inductor, FlexAttention inside the blocks): the same
+    losses and gradients as the eager blocks in bf16, and no new graph once both modes have run, while the
+    number of labelled positions changes at every step."""
+    from torch._dynamo.utils import counters
+    eager, compiled = tiny_model().to(CUDA).train(), tiny_model().to(CUDA).train()
+    for block in compiled.model.layers:
+        block.compile()
+    kinds = len({(i == 0, block.local) for i, block in enumerate(compiled.model.layers)})  # 0, global, local
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for step in range(6):
+        ids = torch.randint(0, 256, (4, T), generator=g)
+        rate = 0.1 + 0.15 * step  # a different number of labelled positions each step
+        labels = torch.where(torch.rand(4, T, generator=g) < rate, ids, IGNORE_INDEX)
+        causal = step % 2 == 1  # steps 0 and 1 compile both modes; any graph after that is a recompilation
+        batch = ids.to(CUDA), None, labels, None
+        want = loss_and_grads(eager, batch, causal, bf16=True)
+        before = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
+            got = loss_and_grads(compiled, batch, causal, bf16=True)
+        if step == 0:
+            assert counters["stats"]["unique_graphs"] - before >= kinds, "the blocks did not compile"
+        graphs.append(counters["stats"]["unique_graphs"])
+        # inductor fuses element-wise ops and rounds their result to bf16 once, where eager rounds each op:
+        # differences of bf16's rounding, averaged over the labelled positions, so half the fp32 tolerance
+        assert_close_in_bf16(got, want, f"step {step}: compiled against eager", loss_rtol=LOSS_RTOL / 2)
+    assert graphs[2:] == [graphs[1]] * 4, f"graphs after each step: {graphs}"
+
+
+# ----------------------------------------------------------------------------
+# The trainer's command line under torchrun: NCCL, bf16, compiled FlexAttention, checkpoints
+
+
+STEPS, STEP_TOKENS = 40, 8 * 128  # the smoke recipe: tiny model, 8 sequences of 128 tokens per step
+SMOKE = ["--recipe=smoke", "--phase=clm", "--save_interval=4", "--eval_interval=1000"]
+
+
+def torchrun_command(*flags):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            str(ROOT / "train.py"), *flags]
+
+
+def torchrun(*flags):
+    result = subprocess.run(torchrun_command(*flags), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def train_records(out):
+    """The training records of OUT/log.jsonl (validation records have no loss)."""
+    records = [json.loads(line) for line in open(out / "log.jsonl")]
+    return [r for r in records if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def clm_run(demo_corpus, tmp_path_factory):
+    """An uninterrupted CLM run of STEPS steps on the GPU: (OUT, its stdout)."""
+    out = tmp_path_factory.mktemp("cli") / "clm"
+    return out, torchrun(*SMOKE, f"--data={demo_corpus}", f"--tokens={STEPS * STEP_TOKENS}", f"--out_dir={out}")
+
+
+def test_trainer_trains_clm_on_the_gpu_under_torchrun(clm_run):
+    out, stdout = clm_run
+    assert "device cuda" in stdout  # the run's header
+    records = train_records(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and {r["phase"] for r in records} == {"clm"}
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]  # it learns
+    peak = next((v for k, v in train.PEAK_FLOPS.items() if k in torch.cuda.get_device_name(CUDA)), None)
+    if peak is None:
+        assert all(r["mfu"] is None for r in records)
+        return
+    with torch.device("meta"):  # CLM predicts every token: mask_rate 1
+        flops = ModernBERT(read_config(str(out / "config.json"))).flops_per_token(128, causal=True, mask_rate=1.0)
+    for r in records:  # the log rounds mfu to 4 decimals and tokens/s to an integer
+        assert abs(r["mfu"] - flops * r["tokens_per_s"] / peak) <= 5e-5 + 0.01 * r["mfu"], r
+
+
+def test_phase_hand_off_to_decay_on_the_gpu(clm_run, tmp_path):
+    clm, _ = clm_run
+    decay = tmp_path / "decay"
+    torchrun("--phase=decay", f"--init_from={clm}", f"--tokens={2 * STEP_TOKENS}", f"--out_dir={decay}")
+    records = train_records(decay)
+    assert [r["phase"] for r in records] == ["decay", "decay"]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    before, after = load_file(clm / "model.safetensors"), load_file(decay / "model.safetensors")
+    moved = math.sqrt(sum((after[k] - before[k]).double().norm() ** 2 for k in before))
+    size = math.sqrt(sum(before[k].double().norm() ** 2 for k in before))
+    # two AdamW steps of about lr = 2e-3 per weight move the weights by 1.6% of their norm (measured on a CPU);
+    # a fresh model is 33% away (its matrices all differ; the LayerNorm weights near 1 dominate the norm)
+    assert 0 < moved / size < 0.1, moved / size
+
+
+def weights_stamp(out):
+    """Identifies the checkpoint OUT/model.safetensors holds now (None while a save swaps it)."""
+    try:
+        s = os.stat(out / "model.safetensors")
+    except FileNotFoundError:
+        return None
+    return s.st_ino, s.st_mtime_ns, s.st_size
+
+
+def children(pid):
+    """The processes whose parent is `pid` (Linux /proc: the 4th field of /proc/N/stat, after the name)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+def kill_after_next_checkpoint(proc, out, stamp):
+    """SIGKILL torchrun's training process once OUT holds a checkpoint other than `stamp`. False if the run
+    ended first. torchrun starts its worker in a session of its own, so the worker is killed by its pid."""
+    deadline = time.time() + 300
+    while proc.poll() is None:
+        if weights_stamp(out) not in (None, stamp):
+            for pid in children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return proc.wait(timeout=120) != 0
+        assert time.time() < deadline, "no new checkpoint within 5 minutes"
+        time.sleep(0.01)
+    return False
+
+
+def test_stop_kill_and_resume_equal_the_uninterrupted_run(clm_run, demo_corpus, tmp_path):
+    """--max_steps stops the run with a checkpoint; --resume continues it, is SIGKILLed after its next
+    checkpoint, and --resume finishes it: the weights equal the uninterrupted run's, bit for bit."""
+    straight, _ = clm_run
+    out = tmp_path / "clm"
+    torchrun(*SMOKE, f"--data={demo_corpus}", f"--tokens={STEPS * STEP_TOKENS}", f"--out_dir={out}", "--max_steps=3")
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3]
+    with open(tmp_path / "killed.txt", "w") as log:
+        proc = subprocess.Popen(torchrun_command("--resume", f"--out_dir={out}"), stdout=log,
+                                stderr=subprocess.STDOUT)
+        assert kill_after_next_checkpoint(proc, out, weights_stamp(out)), "the run ended before the kill"
+    torchrun("--resume", f"--out_dir={out}")
+    assert [r["step"] for r in train_records(out)] == list(range(1, STEPS + 1))  # each step logged once
+    want, got = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+    differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ from the uninterrupted run: {differ}"
+
+
+# ----------------------------------------------------------------------------
+# Parity with transformers
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional-padded", "causal"])
+def test_parity_with_transformers_on_the_gpu(tmp_path, causal):
+    """Our model (FlexAttention, the default on CUDA) and ModernBertForMaskedLM (SDPA) on the same weights:
+    logits and loss equal in fp32 and within bf16's rounding under autocast. transformers has no causal mode:
+    it takes the causal masks explicitly, as bench.py gives them."""
+    from test_model import SHAPES, hf_checkpoint, padded_batch
+    hf = hf_checkpoint(tmp_path, SHAPES[0]).to(CUDA)  # norms and biases perturbed, so that they count
+    ours = ModernBERT.from_pretrained(str(tmp_path)).to(CUDA).eval()
+    ids, mask = padded_batch(300, T=T, lengths=(T, T, T) if causal else (T, 180, 37))
+    labels = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.3, ids, IGNORE_INDEX)
+    labels[mask == 0] = IGNORE_INDEX
+    ids, mask = ids.to(CUDA), mask.to(CUDA)
+    hf_mask = bench.causal_masks(T, ours.config.window, CUDA) if causal else mask
+    real = mask.bool()
+    out = {}
+    for bf16 in (False, True):
+        with torch.no_grad(), autocast(CUDA) if bf16 else contextlib.nullcontext():
+            out["ours", bf16] = ours(ids, None if causal else mask, causal=causal)[0].float()[real], \
+                ours(ids, None if causal else mask, labels=labels, causal=causal)[1].item()
+            hf_out = hf(input_ids=ids, attention_mask=hf_mask, labels=labels.to(CUDA))
+            out["hf", bf16] = hf_out.logits.float()[real], hf_out.loss.item()
+    scale = out["hf", False][0].abs().max().item()
+    fp32 = (out["ours", False][0] - out["hf", False][0]).abs().max().item()
+    # the same computation, as on a CPU (tests/test_model.py); this is the check that sees a wrong mask: without
+    # its padding mask transformers' logits move by 0.8% of the largest (5e-3 here, measured on a CPU)
+    assert fp32 <= 1e-4 * max(1.0, scale), fp32
+    assert abs(out["ours", False][1] - out["hf", False][1]) <= 1e-5 * out["hf", False][1]
+    # in bf16 both round; ours may differ from transformers by a few roundings of the largest logit
+    bf16 = (out["ours", True][0] - out["hf", True][0]).abs().max().item()
+    assert bf16 <= 2e-2 * scale, (bf16, scale)
+    assert abs(out["ours", True][1] - out["hf", True][1]) <= LOSS_RTOL * out["hf", False][1]
+
+
+# ----------------------------------------------------------------------------
+# Memory and host syncs
+
+
+@pytest.mark.parametrize("phase", ["mlm", "clm"])
+def test_activation_memory_prediction_matches_the_allocator(phase):
+    """bench.activation_memory (on paper, per token) against torch.cuda.max_memory_allocated during a bf16
+    training forward of base at 2 and 4 x 8,192 tokens. The difference of the two peaks is the activations of
+    2 x 8,192 tokens: the weights, the loss's fp32 weight gradient and its largest (4,096 x vocab) logits block
+    are in both. Within -5% / +10%: the prediction counts what flash-attn keeps; FlexAttention keeps the same
+    (q, k, v, output, fp32 log-sum-exp), plus a copy of the attention output if its layout is (B, H, T, D),
+    which is 2d bytes per token and layer, +5.5% for base."""
+    cfg = ModernBERTConfig.from_preset("base")
+    torch.manual_seed(0)
+    model = ModernBERT(cfg, "flex").to(CUDA).train()
+    rate = 1.0 if phase == "clm" else 0.3
+
+    def forward_peak(micro):
+        x, y = bench.batch(cfg.vocab_size, micro, 8192, phase, torch.device("cpu"))  # labels on the host
+        x = x.to(CUDA)
+        for _ in range(2):  # the second forward: the first one compiles FlexAttention for this shape
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with autocast(CUDA):
+                loss = model(x, labels=y, causal=phase == "clm")[1]
+            peak = torch.cuda.max_memory_allocated() - before
+            del loss  # frees the graph and what it kept
+        return peak
+
+    measured = forward_peak(4) - forward_peak(2)
+    predicted = bench.activation_memory(cfg, 8192, 4, rate) - bench.activation_memory(cfg, 8192, 2, rate)
+    print(f"{phase}: measured {measured / 2**30:.2f} GiB for 2 x 8192 tokens, predicted {predicted / 2**30:.2f}")
+    assert 0.95 <= measured / predicted <= 1.10, measured / predicted
+
+
+@contextlib.contextmanager
+def syncs_are_errors():
+    """Any CUDA call that makes the host wait for the device raises inside this block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("separate_documents", [False, True], ids=["across-documents", "separate-documents"])
+def test_training_step_waits_for_the_gpu_only_where_documented(separate_documents):
+    """train.py's step: ids copied from pinned memory without waiting, labels on the host, bf16 forward,
+    backward, gradient clipping, AdamW. Its one documented sync is the .tolist() of the logged loss and
+    gradient norm, once per step; nothing else in the step may wait for the GPU."""
+    model = tiny_model().to(CUDA).train()
+    params = list(model.parameters())
+    optimizer = train.AdamW(model.param_groups(), 1e-3)
+    g, sep = torch.Generator().manual_seed(0), BYTE_IDS["sep_token_id"]
+
+    def forward_backward(rate, causal):
+        ids = torch.randint(0, 256, (4, T), generator=g)
+        ids[:, 70::90] = sep  # documents end with [SEP]
+        labels = torch.where(torch.rand(4, T, generator=g) < rate, ids, IGNORE_INDEX)
+        x = ids.pin_memory().to(CUDA, non_blocking=True)
+        docs = data.document_ids(x, sep) if separate_documents else None
+        with autocast(CUDA):
+            loss = model(x, labels=labels, causal=causal, doc_ids=docs)[1]
+        loss.backward()
+        return torch.stack([loss.detach(), torch.nn.utils.clip_grad_norm_(params, 1.0).float()])
+
+    def update():
+        optimizer.step(1e-3)
+        for p in params:
+            p.grad = None
+
+    for causal in (False, True):  # warm-up: compiling the kernels of both modes may wait for the GPU
+        forward_backward(0.3, causal).tolist()
+        update()
+    for rate, causal in ((0.15, False), (0.5, True), (0.4, False)):  # a new number of labels every step
+        with syncs_are_errors():
+            shared = forward_backward(rate, causal)
+        loss, norm = shared.tolist()  # the documented sync
+        with syncs_are_errors():
+            update()
+        assert math.isfinite(loss) and math.isfinite(norm)
+    with syncs_are_errors(), pytest.raises(RuntimeError, match="synchroniz"):
+        torch.ones(1, device=CUDA).item()  # the detector works: a sync raises in there
