@@ -154,7 +154,7 @@ def measure(args, preset, phase, seq_len, micro):
     import transformers
 
     from model import ModernBERT, ModernBERTConfig
-    from train import PEAK_FLOPS, AdamW
+    from train import AdamW, peak_flops
 
     device = args.device
     torch._dynamo.reset()  # each row compiles afresh: dynamo runs eager past 8 graphs of one function
@@ -210,8 +210,7 @@ def measure(args, preset, phase, seq_len, micro):
     except torch.cuda.OutOfMemoryError:
         results = ["OOM", "OOM"]
     flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu), None)
+    peak = peak_flops(device)
     for name, result, resident in (("ours", results[0], ours_resident), ("peer", results[1], peer_resident)):
         if result == "OOM":
             row[name] = "OOM"

@@ -349,10 +349,10 @@ class Loader:
     covers sequences [g0, g0 + batch_size), split over micro-steps and ranks: the same set for any
     world size or accumulation. data_seed=None keeps file order (fixed validation batches).
 
-    next() returns a micro-batch prepared one call ahead: its ids already on `device` (copied from
-    pinned memory while the device works), its labels on the host, where the model finds the
-    positions to predict without a device sync. state_dict() is the position of the batch that
-    the next next() returns, whatever was prepared ahead.
+    next() returns a micro-batch whose ids are on `device` (prefetch() copies them from pinned memory
+    while the device works on the previous one) and whose labels stay on the host, where the model
+    finds the positions to predict without a device sync. state_dict() is the position of the
+    batch that the next next() returns, whatever was prefetched.
     """
 
     def __init__(self, data_dir, split="train", seq_len=8192, batch_size=384, micro_batch_size=4,
@@ -412,13 +412,20 @@ class Loader:
         return x, y
 
     def next(self):
-        """This rank's next micro-batch; the position moves by batch_size after `accum` of them."""
+        """This rank's next micro-batch (the one prefetch() prepared, if it did); the position moves
+        by batch_size after `accum` of them."""
         xy = self.ahead if self.ahead is not None else self.prepare()
+        self.ahead = None
         self.micro_step += 1
         if self.micro_step == self.accum:
             self.sequence, self.micro_step = self.sequence + self.batch_size, 0
-        self.ahead = self.prepare()  # the following batch, on its way before it is asked for
         return xy
+
+    def prefetch(self):
+        """Prepare the batch the next next() returns, while the device works on this one. The
+        position does not move: a checkpoint taken now resumes at that batch."""
+        if self.ahead is None:
+            self.ahead = self.prepare()
 
     # what must match to continue the same sequences and masks; the objective and mask_rate may
     # change (a phase hand-off), and so may the world size and the micro-batch size

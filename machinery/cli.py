@@ -13,7 +13,8 @@ class InputError(ValueError):
 
 
 def run(main, argv=None):
-    """Call main(argv); an InputError becomes one line on stderr (rank 0 only under torchrun) and exit 2."""
+    """Call main(argv). An InputError becomes one line on stderr (rank 0 only under torchrun) and exit 2;
+    so does a collective that waited past its timeout (a peer stalled or died), never a hang."""
     try:
         return main(argv)
     except InputError as e:
@@ -21,6 +22,19 @@ def run(main, argv=None):
             print(f"error: {e}", file=sys.stderr, flush=True)
         e.__traceback__ = None  # drop main()'s frames now: they may hold a run directory's lock
         raise SystemExit(2) from None
+    except RuntimeError as e:  # how gloo and NCCL report a collective that waited past the timeout
+        dist = sys.modules.get("torch.distributed")
+        if not (dist and dist.is_initialized() and "timed out" in str(e).lower()):
+            raise
+        print(f"error: rank {dist.get_rank()}: another process did not answer within --ddp_timeout; it stalled "
+              f"or died ({str(e).splitlines()[0][-120:]}). Resume with --resume", file=sys.stderr, flush=True)
+        os._exit(2)  # the process group cannot be torn down cleanly while a peer is stuck
+    finally:
+        dist = sys.modules.get("torch.distributed")
+        if dist and dist.is_available() and dist.is_initialized():
+            import gc
+            gc.collect()  # DDP's reducer goes before its process group: gloo aborts if it outlives it
+            dist.destroy_process_group()
 
 
 class Parser(argparse.ArgumentParser):

@@ -155,9 +155,9 @@ def resolve_checkpoint(path_or_id):
     """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
     if os.path.isdir(path_or_id):
         return path_or_id
-    if os.path.exists(path_or_id) or path_or_id.count("/") != 1:
-        raise InputError(f"{path_or_id}: not a checkpoint directory, and not a hub id like "
-                         f"'answerdotai/ModernBERT-base'")
+    if os.path.exists(path_or_id) or path_or_id.count("/") != 1 or path_or_id.startswith((".", "~")):
+        what = "not a directory" if os.path.exists(path_or_id) else "no such directory"
+        raise InputError(f"{path_or_id}: {what}, and not a hub id like 'answerdotai/ModernBERT-base'")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])

@@ -191,6 +191,29 @@ class RunDir:
             self._lock.close()
             self._lock = None
 
+    # ---- the log --------------------------------------------------------------------------------------------
+
+    def append_log(self, record):
+        append_log(self.log_path, record)
+
+    def trim_log(self, step):
+        """Keep the records up to `step`, the checkpoint a resume starts from: the steps after it will be
+        run, and logged, again. A line cut short by a kill is dropped."""
+        if not os.path.exists(self.log_path):
+            return
+        kept = []
+        with open(self.log_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        tmp = f"{self.log_path}.tmp-{self.run_id}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.log_path)
+
     # ---- reading -------------------------------------------------------------------------------------------
 
     def latest_state(self, phases=None, fields=None):

@@ -43,8 +43,31 @@ def torch_adamw_oracle(model, peak_lr, weight_decay, betas=(0.9, 0.98), eps=1e-6
 
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory):
-    """The embedded demo corpus (stdlib docstrings, byte tokenizer), prepared once per test session."""
+    """The embedded demo corpus (stdlib docstrings, its own small BPE), prepared once per test session."""
     import data
     out = tmp_path_factory.mktemp("data") / "demo"
     data.prepare_demo(str(out))
     return str(out)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a folder on a real tmpfs of `size` (e.g. "1m"): a disk that really fills up, unmounted
+    after the test. Skips, saying why, where this process may not mount one."""
+    import shutil
+    import subprocess
+    mounted = []
+
+    def mount(size, name="disk"):
+        folder = tmp_path / name
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                capture_output=True, text=True) if shutil.which("mount") else None
+        if result is None or result.returncode:
+            pytest.skip(f"cannot mount a {size} tmpfs here, so no real full disk "
+                        f"({result.stderr.strip()[:100] if result else 'no mount command'})")
+        mounted.append(folder)
+        return folder
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -424,13 +424,14 @@ def test_clm_labels(byte_data):
 
 
 def test_lookahead_keeps_the_saved_position(byte_data):
-    """next() prepares the following micro-batch ahead, yet each batch is the one its position names and
+    """prefetch() prepares the following micro-batch ahead, yet each batch is the one its position names and
     state_dict() is the position of the batch the next next() returns: a checkpoint after any step resumes
     exactly, with nothing for the training loop to remember."""
     ahead, direct = loader(byte_data), loader(byte_data)  # 4 sequences a micro-batch, accum 2
     for step in range(3):
         for k in range(2):
             x, y = ahead.next()
+            ahead.prefetch()
             expected = direct.batch(np.arange(8 * step + 4 * k, 8 * step + 4 * k + 4))
             assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
         assert ahead.ahead is not None and ahead.state_dict()["sequence"] == 8 * (step + 1)
@@ -449,6 +450,7 @@ def test_lookahead_on_cuda(byte_data):
     on_gpu, on_cpu = loader(byte_data, device="cuda"), loader(byte_data)
     for _ in range(5):
         (x, y), (cx, cy) = on_gpu.next(), on_cpu.next()
+        on_gpu.prefetch()
         assert x.device.type == "cuda" and y.device.type == "cpu"
         assert torch.equal(x.cpu(), cx) and torch.equal(y, cy)
     assert on_gpu.state_dict() == on_cpu.state_dict()

@@ -137,7 +137,7 @@ def test_mismatched_checkpoint_names_the_keys(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
     with pytest.raises(InputError, match="model_type"):
         ModernBERT.from_pretrained(str(tmp_path))
-    with pytest.raises(InputError, match="not a checkpoint directory"):
+    with pytest.raises(InputError, match="no such directory, and not a hub id"):
         ModernBERT.from_pretrained(str(tmp_path / "nowhere" / "deeper"))
 
 

@@ -1,8 +1,10 @@
 """train.py and freeze.py: the optimizer against torch.optim.AdamW, the schedules, the phase hand-off,
 exact resume, DDP equivalence and freezing that really freezes."""
+import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,12 +16,22 @@ import data
 import freeze
 import train
 from conftest import ROOT, tiny_model, torch_adamw_oracle
+from machinery import flags as flag_rules
+from machinery.cli import InputError
+from machinery.hf import read_config
+from machinery.rundir import RunDir
 from model import ModernBERT
 
 # A tiny run: 128-token sequences, 4 per step, a few steps; the paper's recipe otherwise.
 SMALL = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--compile=false",
          "--eval_interval=1000", "--eval_sequences=2", "--log_interval=1000", "--save_interval=0",
          "--warmup_tokens=1024", "--lr=1e-3", "--grad_clip=0"]
+
+
+def small(*changes):
+    """SMALL with some of its flags changed (a flag may be given only once)."""
+    changed = {c.split("=")[0] for c in changes}
+    return [f for f in SMALL if f.split("=")[0] not in changed] + list(changes)
 STEP_TOKENS = 4 * 128
 
 
@@ -30,14 +42,21 @@ def corpus(demo_corpus):
 
 def configure(argv, world=1):
     """The resolved and checked configuration of a command line, as train.main sees it."""
-    cfg = train.resolve_config(train.parse_flags(argv))
-    train.check_config(cfg, world)
+    given, _ = flag_rules.parse(argv, train.Config)
+    cfg = train.resolve_config(given)
+    flag_rules.check(cfg, train.CHOICES, world)
+    flag_rules.check_start(cfg, "fresh" if cfg.init_from == "scratch" else "weights", None, train.Config)
     return cfg
 
 
+def latest(out_dir):
+    """The state of a run's newest checkpoint, with "dir" its folder."""
+    return RunDir.open(str(out_dir)).latest_state()
+
+
 def run(corpus, out_dir, *flags):
-    train.main([f"--data={corpus}", f"--out_dir={out_dir}", *SMALL, *flags])
-    return load_file(os.path.join(out_dir, "model.safetensors")), json.loads(open(os.path.join(out_dir, "state.json")).read())
+    train.main([f"--data={corpus}", f"--out_dir={out_dir}", *small(*flags)])
+    return load_file(os.path.join(out_dir, "model.safetensors")), latest(out_dir)
 
 
 # --- optimizer and schedules -----------------------------------------------------------------------
@@ -108,7 +127,7 @@ def test_phase_defaults_and_flag_parsing():
     for bad, message in ((["--bogus=1"], "unknown flag --bogus"), (["--lr=fast"], "--lr='fast' is not a valid float"),
                          (["--phase=sft"], "--phase='sft'"), (["--phase=decay", "--data=d"], "--phase=decay needs"),
                          (["--data=d", "--mask_rate=0"], "--mask_rate=0.0: expected 0 < rate < 1")):
-        with pytest.raises(train.TrainError, match=message):
+        with pytest.raises(InputError, match=message):
             configure(bad)
 
 
@@ -131,8 +150,8 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
     flags = ["--phase=mlm", f"--tokens={6 * STEP_TOKENS}"]
     straight, _ = run(corpus, tmp_path / "straight", *flags)
     run(corpus, tmp_path / "stopped", *flags, "--max_steps=2")
-    assert json.loads((tmp_path / "stopped" / "state.json").read_text())["phase_step"] == 2
-    with pytest.raises(train.TrainError, match="already holds a checkpoint"):  # nothing written is overwritten by accident
+    assert latest(tmp_path / "stopped")["phase_step"] == 2
+    with pytest.raises(InputError, match="--resume"):  # nothing written is overwritten by accident
         run(corpus, tmp_path / "stopped", *flags)
     resumed, state = run(corpus, tmp_path / "stopped", "--resume")
     assert state["phase_step"] == 6 and state["step"] == 6
@@ -142,16 +161,18 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
 
 
 def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
-    run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={3 * STEP_TOKENS}")
-    clm_state = json.loads((tmp_path / "clm" / "state.json").read_text())
-    decay, state = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--max_steps=1")
-    assert state["step"] == 4 and state["phase_step"] == 1 and state["phase"] == "decay"
-    assert state["config"]["tokens"] == 3 * STEP_TOKENS // 10  # 10% of the Phase-1 budget by default...
-    assert state["config"]["tokens"] < STEP_TOKENS and state["phase_step"] == 1  # ...at least one step
+    run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={10 * STEP_TOKENS}")
+    clm_state = latest(tmp_path / "clm")
+    decay, state = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}",
+                       "--warmup_tokens=0")  # SMALL's warmup would apply to any schedule
+    assert state["step"] == 11 and state["phase_step"] == 1 and state["phase"] == "decay"
+    assert state["config"]["tokens"] == STEP_TOKENS  # 10% of the Phase-1 budget by default
+    with pytest.raises(InputError, match="less than one optimizer step"):  # a decay of no step is refused
+        run(corpus, tmp_path / "short", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--tokens=100")
 
     # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW.
     model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
-    moments = load_file(tmp_path / "clm" / "optimizer.safetensors")
+    moments = load_file(os.path.join(clm_state["dir"], "optimizer.safetensors"))
     loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
     loader.load_state_dict(clm_state["loader"])
     for _ in range(loader.accum):
@@ -175,7 +196,7 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
 def test_freezing_leaves_frozen_blocks_bit_identical(corpus, tmp_path):
     run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={3 * STEP_TOKENS}")
     before = load_file(tmp_path / "clm" / "model.safetensors")
-    moments = load_file(tmp_path / "clm" / "optimizer.safetensors")
+    moments = load_file(os.path.join(latest(tmp_path / "clm")["dir"], "optimizer.safetensors"))
     assert moments["exp_avg.model.layers.0.attn.Wqkv.weight"].abs().sum() > 0  # stale moments that could move it
     after, _ = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--freeze=0-1",
                    f"--tokens={3 * STEP_TOKENS}", "--weight_decay=0.1")
@@ -206,26 +227,30 @@ def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_pat
     one = load_file(tmp_path / "one" / "model.safetensors")
     for name in one:
         assert (one[name] - two[name]).abs().max().item() <= 1e-5, name
-    init = tiny_model(seed=17).state_dict()  # the scratch init, seeded by --seed
+    torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
+    init = ModernBERT(read_config(str(tmp_path / "one" / "config.json"))).state_dict()
     for name, tensor in two.items():
         assert torch.equal(tensor, init[name]) == name.startswith("model.layers.1."), name
 
 
 def test_non_finite_loss_stops_without_touching_the_checkpoint(corpus, tmp_path):
-    run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--max_steps=1")
-    before = (tmp_path / "run" / "model.safetensors").read_bytes()
-    with pytest.raises(train.TrainError, match="non-finite loss .* at step 3"):  # step 2 explodes the weights
-        run(corpus, tmp_path / "run", "--resume", "--lr=1e30")
-    assert (tmp_path / "run" / "model.safetensors").read_bytes() == before
+    out = tmp_path / "run"  # warmup: step 1 runs at lr 0, step 2 at 5e29 blows the weights up
+    with pytest.raises(InputError, match="non-finite loss .* at step 3"):
+        run(corpus, out, "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--lr=1e30", "--allow_high_lr",
+            "--save_interval=1")
+    state = latest(out)
+    assert state["phase_step"] == 2
+    tensors = {**load_file(out / "model.safetensors"), **load_file(os.path.join(state["dir"], "optimizer.safetensors"))}
+    assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
 def test_bad_data_is_reported_before_training(corpus, tmp_path):
-    with pytest.raises(data.DataError, match="meta.json: not found"):
+    with pytest.raises(InputError, match="meta.json: missing"):
         train.main([f"--data={tmp_path}", *SMALL, f"--out_dir={tmp_path / 'out'}"])
-    with pytest.raises(data.DataError, match="seq_len 5000000 is longer than the data"):
-        train.main([f"--data={corpus}", *SMALL, "--seq_len=5000000", "--tokens=1e12", f"--out_dir={tmp_path / 'out'}"])
-    with pytest.raises(train.TrainError, match="cannot be split into micro-batches of 3 on 1 process"):
-        train.main([f"--data={corpus}", *SMALL, "--micro_batch_size=3", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(InputError, match="seq_len 5000000 is longer than the data"):
+        train.main([f"--data={corpus}", *small("--seq_len=5000000", "--tokens=1e12"), f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(InputError, match="cannot be split into micro-batches of 3 on 1 process"):
+        train.main([f"--data={corpus}", *small("--micro_batch_size=3"), f"--out_dir={tmp_path / 'out'}"])
 
 
 def test_demo_runs_from_a_fresh_directory_and_transformers_loads_the_result(tmp_path):
@@ -241,8 +266,8 @@ def test_demo_runs_from_a_fresh_directory_and_transformers_loads_the_result(tmp_
     ids = torch.randint(0, 256, (2, 300))
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - ours(ids)[0]).abs().max().item() <= 1e-4
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["tokenizer"] == "bytes" and state["code"]["sha256"] and math.isfinite(json.loads(
+    state = latest(run_dir)
+    assert state["tokenizer"] == data.load_meta(str(tmp_path / "data" / "demo"))["tokenizer"] and state["code"]["sha256"] and math.isfinite(json.loads(
         (run_dir / "log.jsonl").read_text().splitlines()[-1])["loss"])
 
 
@@ -265,7 +290,8 @@ def test_headline_command_on_n_processes(nproc, demo_corpus, tmp_path):
     out = torchrun(nproc, "--phase", "clm", "--max_steps=2", cwd=tmp_path)
     assert f"16 sequences = {16 // nproc} micro x 1 accumulation x {nproc} process(es)" in out
     assert "saved out/demo-clm at step 2" in out
-    check_hugging_face_directory(tmp_path / "out" / "demo-clm", data.load_tokenizer("bytes"))
+    check_hugging_face_directory(tmp_path / "out" / "demo-clm",
+                                 data.load_tokenizer(data.load_meta(demo_corpus)["tokenizer"]))
 
 
 def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_path):
@@ -284,3 +310,104 @@ def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_p
     train.main([f"--out_dir={out}", "--resume"])
     straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+
+# --- the warmup-stable-decay schedule and a phase switch inside one budget ------------------------------
+
+
+def test_wsd_schedule_at_its_key_points():
+    peak = 1e-3
+    wsd = train.Config(lr=peak, schedule="wsd", warmup_tokens=100, tokens=1000, decay_frac=0.2, final_lr_frac=0.1)
+    assert train.learning_rate(wsd, 0) == 0.0 and train.learning_rate(wsd, 50) == pytest.approx(peak / 2)
+    assert train.learning_rate(wsd, 100) == peak and train.learning_rate(wsd, 800) == peak  # stable until 80%
+    assert train.learning_rate(wsd, 900) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(0.5))))
+    assert train.learning_rate(wsd, 1000) == pytest.approx(0.1 * peak)  # the decay ends at final_lr_frac
+    fixed = train.Config(**{**wsd.__dict__, "decay_tokens": 100})  # a token count overrides the fraction
+    assert train.learning_rate(fixed, 900) == peak
+    assert train.learning_rate(fixed, 950) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(0.5))))
+    # one schedule over two phases: each part reads the whole budget's curve at its own offset
+    part = train.Config(**{**wsd.__dict__, "tokens": 250, "schedule_tokens": 1000})
+    assert [train.learning_rate(part, t) for t in range(0, 1001, 50)] == \
+        [train.learning_rate(wsd, t) for t in range(0, 1001, 50)]
+
+
+BIPHASIC = ["--schedule=wsd", f"--schedule_tokens={6 * STEP_TOKENS}", "--decay_frac=0.5", "--save_interval=1"]
+
+
+def biphasic(corpus, root, kill_in=None):
+    """CLM for 2 of 6 steps, then MLM at 40% for 4, one WSD schedule; `kill_in`: SIGKILL that part after its
+    first checkpoint, then --resume it."""
+    parts = {"clm": ["--phase=clm", f"--tokens={2 * STEP_TOKENS}"],
+             "mlm": ["--phase=mlm", "--mask_rate=0.4", f"--tokens={4 * STEP_TOKENS}", f"--init_from={root / 'clm'}"]}
+    for name, part in parts.items():
+        argv = [f"--data={corpus}", f"--out_dir={root / name}", *small(*BIPHASIC, *part)]
+        if name == kill_in:
+            killed_after_first_save(argv, root / name)
+            train.main([f"--out_dir={root / name}", "--resume"])
+        else:
+            train.main(argv)
+    return load_file(root / "mlm" / "model.safetensors")
+
+
+def killed_after_first_save(argv, out):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
+        if line.startswith(f"saved {out} at step 1"):
+            proc.kill()
+            break
+    proc.wait()
+    assert proc.returncode == -9, "the run finished before it could be killed"
+
+
+def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exactly(corpus, tmp_path):
+    straight = biphasic(corpus, tmp_path / "straight")
+    lrs = [r["lr"] for name in ("clm", "mlm") for r in map(json.loads, open(tmp_path / "straight" / name / "log.jsonl"))
+           if "loss" in r]
+    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5)
+    assert lrs == [train.learning_rate(whole, k * STEP_TOKENS) for k in range(6)]
+    assert lrs[2] == lrs[3] == 1e-3 and lrs[4] < lrs[3]  # no second warmup after the switch; one decay at the end
+    assert latest(tmp_path / "straight" / "mlm")["step"] == 6  # Adam's step counter crossed the switch
+    for side in ("clm", "mlm"):  # a kill on either side of the switch
+        resumed = biphasic(corpus, tmp_path / side, kill_in=side)
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight), side
+
+
+# --- signals and help ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus, tmp_path):
+    flags = [f"--data={corpus}", *small(f"--tokens={6 * STEP_TOKENS}", "--log_interval=1", "--threads=1")]
+    train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags, f"--out_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("mlm step 2/"):
+            proc.send_signal(signum)
+            break
+    rest, err = proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted by a signal" in rest and f"python train.py --resume --out_dir={out}" in rest
+    assert 2 <= latest(out)["phase_step"] < 6
+    train.main([f"--out_dir={out}", "--resume"])
+    straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_help_lists_every_flag_with_the_chosen_recipes_default():
+    for argv, seq_len in ((["--help"], 256), (["--recipe=paper", "-h"], 8192)):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        flags_shown = {line.split("=")[0].strip() for line in result.stdout.splitlines() if line.startswith("  --")}
+        assert flags_shown == {f"--{f.name}" for f in dataclasses.fields(train.Config)}
+        assert f"--seq_len={seq_len} " in result.stdout and "documents packed into windows" in result.stdout
+
+
+def test_integers_are_exact_and_a_flag_is_given_once():
+    given, _ = flag_rules.parse(["--seed=9007199254740993", "--tokens=10B", "--data_seed=1_000"], train.Config)
+    assert given == {"seed": 9007199254740993, "tokens": 10**10, "data_seed": 1000}
+    with pytest.raises(InputError, match="--lr is given twice"):
+        flag_rules.parse(["--lr=1e-3", "--lr=2e-3"], train.Config)

@@ -1,6 +1,5 @@
 """train.py on bad input and under faults: every mistake is one line `error: ...` naming the flag or file,
 exit status 2, no traceback, before any compute; no fault loses or poisons a checkpoint."""
-import errno
 import gc
 import fcntl
 import json
@@ -9,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +16,9 @@ from safetensors.torch import load_file
 
 import train
 from conftest import ROOT
+from machinery import cli, rundir
+from machinery.cli import InputError
+from machinery.rundir import RunDir
 
 SMALL = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--eval_sequences=2",
          "--eval_interval=1000", "--log_interval=1000", "--save_interval=0", "--warmup_tokens=1024", "--lr=1e-3",
@@ -26,7 +29,7 @@ STEP_TOKENS = 4 * 128
 def fails(capsys, argv, *words):
     """Run the command line as `python train.py` would; assert exit 2 and one `error:` line holding `words`."""
     with pytest.raises(SystemExit) as exit_info:
-        train.cli(argv)
+        cli.run(train.main, argv)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2, err
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
@@ -44,11 +47,22 @@ def run_dir(demo_corpus, tmp_path_factory):
 
 
 def copy_run(run_dir, tmp_path, edit=None):
+    """A copy of the run; `edit` changes the files of its newest checkpoint."""
     dst = tmp_path / "copy"
     shutil.copytree(run_dir, dst)
     if edit:
-        edit(dst)
+        edit(newest(dst))
     return dst
+
+
+def newest(out):
+    return Path(RunDir.open(str(out)).latest_state()["dir"])
+
+
+def with_small(*changes):
+    """SMALL with some of its flags changed (a flag may be given only once)."""
+    changed = {c.split("=")[0] for c in changes}
+    return [f for f in SMALL if f.split("=")[0] not in changed] + list(changes)
 
 
 # Flags whose value is out of range: (flags, words the one-line message must hold).
@@ -84,15 +98,32 @@ BAD_FLAGS = [
     (["--resume"], ["--resume"]),
     (["stray"], ["'stray'"]),
     (["--unknown=1"], ["--unknown"]),
+    (["--lr=1e9"], ["--lr=1000000000.0", "--allow_high_lr"]),  # a typo, not an intent
+    (["--tokens=1e6", "--tokens=2e6"], ["--tokens is given twice"]),
+    (["--seed=1.5"], ["--seed='1.5'"]),
+    (["--seed=1e30"], ["--seed=", "2**63"]),
+    (["--lr=1e38", "--allow_high_lr"], ["--lr=1e+38", "overflow"]),
+    (["--schedule=cosine"], ["--schedule='cosine'", "wsd"]),
+    (["--objective=span"], ["--objective='span'", "mlm, clm"]),
+    (["--schedule=wsd", "--decay_frac=0"], ["--decay_frac=0.0"]),
+    (["--schedule_tokens=100", "--tokens=1e6"], ["--schedule_tokens=100"]),
+    (["--keep=0"], ["--keep=0"]),
+    (["--weight_decay=5"], ["--weight_decay=5.0"]),
+    (["--backend=flash"], ["--backend=flash"]),  # no flash-attn on a CPU
+    (["--device=cuda:7"], ["--device=cuda:7"]),
+    (["--threads=-2"], ["--threads"]),
+    (["--final_lr_frac=2"], ["--final_lr_frac=2.0"]),
+    (["--phase=decay", "--tokens=1e6"], ["--phase=decay", "--init_from"]),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--device=cuda"], ["--device=cuda", "not available"]))
 
 
+
 @pytest.mark.parametrize("flags, words", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, *flags], *words)
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
     assert not (out / "model.safetensors").exists()
 
 
@@ -101,7 +132,8 @@ def test_demo_recipe_refuses_a_pretrained_start(tmp_path, capsys):
     fails(capsys, [f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'o'}"], "--recipe=demo", "--recipe=paper")
 
 
-# Broken files: (what to break in a copy of a finished run, words of the message). The copy is --init_from.
+# Broken files: (what to break in the newest checkpoint of a copy of a finished run, words of the message).
+# The copy is --init_from; its state.json is read as a flag would be: field and file named, before any weight.
 def truncate(name):
     def edit(folder):
         with open(folder / name, "r+b") as f:
@@ -122,22 +154,36 @@ def edit_json(name, change):
 
 
 BAD_RUNS = [
-    ("truncated model", truncate("model.safetensors"), ["--init_from", "incomplete"]),
-    ("truncated optimizer", truncate("optimizer.safetensors"), ["--init_from", "incomplete"]),
-    ("garbage state.json", rewrite("state.json", "{not json"), ["--init_from", "incomplete or unreadable"]),
-    ("state.json without loader", edit_json("state.json", lambda s: s.pop("loader")), ["--init_from", "incomplete"]),
+    ("truncated model", truncate("model.safetensors"), ["model.safetensors", "bytes"]),
+    ("truncated optimizer", truncate("optimizer.safetensors"), ["optimizer.safetensors", "bytes"]),
+    ("garbage state.json", rewrite("state.json", "{not json"), ["state.json", "not valid JSON"]),
+    ("state.json without loader", edit_json("state.json", lambda s: s.pop("loader")), ["state.json", "loader"]),
+    ("a string step", edit_json("state.json", lambda s: s.update(step="4")), ["state.json", "step"]),
+    ("a negative phase_step", edit_json("state.json", lambda s: s.update(phase_step=-5)), ["phase_step"]),
+    ("a phase_step of 1e30", edit_json("state.json", lambda s: s.update(phase_step=1e30)), ["phase_step"]),
+    ("a non-numeric loader position", edit_json("state.json", lambda s: s["loader"].update(sequence="x")),
+     ["loader.sequence"]),
+    ("an lr of 'abc'", edit_json("state.json", lambda s: s["config"].update(lr="abc")), ["config.lr"]),
+    ("history not a list", edit_json("state.json", lambda s: s.update(history={"a": 1})), ["history"]),
+    ("rng not base64", edit_json("state.json", lambda s: s["rng"][0].update(cpu="!!")), ["rng[0].cpu"]),
+    ("parent tokens of 1e30", edit_json("state.json", lambda s: s.update(phase_tokens=10**30)), ["phase_tokens"]),
+    ("tokens that steps cannot make", edit_json("state.json", lambda s: s.update(phase_tokens=7)),
+     ["phase_tokens 7"]),
+    ("a phase nobody knows", edit_json("state.json", lambda s: s.update(phase="sft")), ["phase"]),
 ]
 
 
 @pytest.mark.parametrize("name, edit, words", BAD_RUNS, ids=[b[0] for b in BAD_RUNS])
 def test_broken_start_run_is_named(name, edit, words, run_dir, demo_corpus, tmp_path, capsys):
     start = copy_run(run_dir, tmp_path, edit)
-    fails(capsys, [f"--init_from={start}", f"--out_dir={tmp_path / 'out'}", "--phase=decay", *SMALL], *words, str(start))
+    fails(capsys, [f"--init_from={start}", f"--out_dir={tmp_path / 'out'}", "--phase=decay", *SMALL], *words,
+          str(start))
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-# A Hugging Face directory (no state.json) with broken files: the file itself is named.
+# A Hugging Face directory (no run of ours) with broken files: the file itself is named.
 BAD_CHECKPOINTS = [
-    ("truncated weights", truncate("model.safetensors"), ["model.safetensors", "cannot load"]),
+    ("truncated weights", truncate("model.safetensors"), ["model.safetensors", "not a readable safetensors file"]),
     ("garbage config.json", rewrite("config.json", "[1, 2"), ["config.json"]),
     ("vocab of 4e9", edit_json("config.json", lambda c: c.update(vocab_size=4_000_000_000)), ["config.json"]),
 ]
@@ -145,9 +191,11 @@ BAD_CHECKPOINTS = [
 
 @pytest.mark.parametrize("name, edit, words", BAD_CHECKPOINTS, ids=[b[0] for b in BAD_CHECKPOINTS])
 def test_broken_hugging_face_checkpoint_is_named(name, edit, words, run_dir, demo_corpus, tmp_path, capsys):
-    start = copy_run(run_dir, tmp_path, edit)
-    for ours in ("state.json", "optimizer.safetensors", train.MARKER):
-        (start / ours).unlink()
+    start = tmp_path / "hf"
+    start.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(run_dir / name, start / name)
+    edit(start)
     fails(capsys, [f"--data={demo_corpus}", f"--init_from={start}", f"--out_dir={tmp_path / 'out'}",
                    "--recipe=paper", *SMALL, "--tokens=1e6"], *words)
 
@@ -170,31 +218,63 @@ def test_broken_data_is_named(name, change, words, demo_corpus, tmp_path, capsys
     assert not (tmp_path / "out" / "hostname").exists()
 
 
-def test_out_dir_that_is_a_file_or_foreign_folder(demo_corpus, tmp_path, capsys):
+def test_out_dir_a_user_shares_keeps_every_file_of_theirs(demo_corpus, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'file'}", *SMALL], "--out_dir", "file")
-    for foreign in ("mine", "mine.old", "mine.tmp"):  # folders a user made are never deleted nor trained into
-        (tmp_path / foreign).mkdir()
-        (tmp_path / foreign / "notes.txt").write_text("keep me")
-        fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'mine'}", *SMALL], "not written by train.py")
-        assert (tmp_path / foreign / "notes.txt").read_text() == "keep me"
-        shutil.rmtree(tmp_path / foreign)
+    (tmp_path / "hf").mkdir()  # a model directory that is no run of ours: training into it would overwrite it
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'hf'}", *SMALL], "config.json", "run.json")
+    out = tmp_path / "mine"  # a user's notes, results and backups in and beside the run survive every save
+    (out / "eval").mkdir(parents=True)
+    (out / "README.md").write_text("keep me")
+    (out / "eval" / "results.json").write_text("{}")
+    flags = [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"), f"--tokens={4 * STEP_TOKENS}"]
+    train.main([*flags, "--max_steps=2"])
+    shutil.copytree(out, tmp_path / "mine.old")  # a backup beside the run, taken mid-run
+    backup = {p: p.read_bytes() for p in (tmp_path / "mine.old").rglob("*") if p.is_file()}
+    train.main([f"--out_dir={out}", "--resume"])
+    assert (out / "README.md").read_text() == "keep me" and (out / "eval" / "results.json").read_text() == "{}"
+    assert {p: p.read_bytes() for p in (tmp_path / "mine.old").rglob("*") if p.is_file()} == backup
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 4
+    assert len(list((out / "checkpoints").iterdir())) == 3  # --keep=3
 
 
 def test_second_writer_is_refused(demo_corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    with open(f"{out}.lock", "a+") as held:  # what a running train.py holds
+    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={2 * STEP_TOKENS}", "--max_steps=1"])
+    with open(out / ".lock", "a+") as held:  # what a running train.py holds
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={STEP_TOKENS}"],
-              "another train.py", "run.lock")
-    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={STEP_TOKENS}"])  # released: runs
+        fails(capsys, [f"--out_dir={out}", "--resume"], "another train.py", ".lock")
+    train.main([f"--out_dir={out}", "--resume"])  # released: runs, and leaves no lock file behind
+    assert not (out / ".lock").exists()
+
+
+def test_resume_continues_the_run_as_saved(run_dir, tmp_path, capsys):
+    """--resume changes nothing that alters the numbers; a finished run says so and trains nothing."""
+    out = copy_run(run_dir, tmp_path)
+    fails(capsys, [f"--out_dir={out}", "--resume", "--phase=clm"], "--phase=clm", "'mlm'", "--init_from")
+    fails(capsys, [f"--out_dir={out}", "--resume", "--lr=1e-2"], "--lr=0.01")
+    before = (out / "model.safetensors").read_bytes()
+    train.main([f"--out_dir={out}", "--resume"])
+    printed = capsys.readouterr().out
+    assert "done: phase mlm" in printed and "nan" not in printed
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_impossible_phase_chains_are_refused(run_dir, demo_corpus, tmp_path, capsys):
+    decay = tmp_path / "decay"
+    train.main([f"--init_from={run_dir}", f"--out_dir={decay}", "--phase=decay", *SMALL, f"--tokens={STEP_TOKENS}"])
+    fails(capsys, [f"--init_from={decay}", f"--out_dir={tmp_path / 'again'}", "--phase=decay", *SMALL,
+                   f"--tokens={STEP_TOKENS}"], "is a decay already")
+    fails(capsys, [f"--init_from={run_dir}", f"--out_dir={tmp_path / 'short'}", "--phase=decay", *SMALL],
+          "less than one optimizer step")  # 10% of a 2-step run is no step at all
 
 
 def test_trailing_slash_is_the_same_run(demo_corpus, tmp_path):
     train.main([f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}/", *SMALL, f"--tokens={2 * STEP_TOKENS}",
                 "--max_steps=1"])
     train.main([f"--out_dir={tmp_path / 'run'}/", "--resume"])
-    assert json.loads((tmp_path / "run" / "state.json").read_text())["phase_step"] == 2
+    assert RunDir.open(str(tmp_path / "run")).latest_state()["phase_step"] == 2
 
 
 def test_traceback_free_at_the_process_level(tmp_path):
@@ -209,7 +289,7 @@ def test_traceback_free_at_the_process_level(tmp_path):
 def test_nan_gradient_stops_before_the_update_and_keeps_the_checkpoint(demo_corpus, tmp_path, capsys, monkeypatch):
     """A finite loss with a NaN gradient (injected at step 2) is caught before the update: nothing is saved."""
     out = tmp_path / "run"
-    flags = [f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={8 * STEP_TOKENS}", "--save_interval=1"]
+    flags = [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"), f"--tokens={8 * STEP_TOKENS}"]
     real, steps = train.freeze.zero_frozen_grads, []
 
     def poisoned(model, names):  # runs after each backward, before the norm check
@@ -218,82 +298,97 @@ def test_nan_gradient_stops_before_the_update_and_keeps_the_checkpoint(demo_corp
         if len(steps) == 2:
             model.model.layers[1].mlp.Wi.weight.grad[0, 0] = float("nan")
     monkeypatch.setattr(train.freeze, "zero_frozen_grads", poisoned)
-    with pytest.raises(train.TrainError, match="gradient norm nan at step 2"):
+    with pytest.raises(InputError, match="gradient norm nan at step 2"):
         train.main(flags)
-    assert json.loads((out / "state.json").read_text())["phase_step"] == 1
-    tensors = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}
+    assert newest(out).name == "step-00000001"
+    tensors = {**load_file(out / "model.safetensors"), **load_file(newest(out) / "optimizer.safetensors")}
     assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
-def test_exploding_run_never_writes_a_non_finite_checkpoint(demo_corpus, tmp_path, capsys):
+def test_a_non_finite_weight_is_never_saved(demo_corpus, tmp_path, capsys, monkeypatch):
+    """Weights that turn infinite in an update (injected at step 2) are refused by the save that follows."""
     out = tmp_path / "run"
-    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={8 * STEP_TOKENS}", "--max_steps=1"])
-    fails(capsys, [f"--out_dir={out}", "--resume", "--lr=1e30", "--save_interval=1"], "non-finite", "kept")
-    tensors = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}
+    real = train.AdamW.step
+
+    def overflowing(self, lr):
+        real(self, lr)
+        if self.steps == 2:
+            next(iter(self.moments.values()))[0].fill_(float("inf"))
+    monkeypatch.setattr(train.AdamW, "step", overflowing)
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"),
+                   f"--tokens={8 * STEP_TOKENS}"], "non-finite", "step-00000001")
+    assert newest(out).name == "step-00000001"
+    tensors = {**load_file(out / "model.safetensors"), **load_file(newest(out) / "optimizer.safetensors")}
     assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(demo_corpus, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "run"
-    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, f"--tokens={4 * STEP_TOKENS}", "--max_steps=1"])
-    before = (out / "model.safetensors").read_bytes()
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(train, "fsync_file", full)
-    fails(capsys, [f"--out_dir={out}", "--resume"], "No space left on device", "kept as it was")
-    assert (out / "model.safetensors").read_bytes() == before and not (tmp_path / "run.tmp").exists()
+def test_a_real_full_disk_keeps_the_previous_checkpoint(demo_corpus, small_disk, capsys):
+    """A tmpfs with room for one checkpoint and the published model: the second save fails with one line,
+    the first checkpoint stays complete, nothing temporary is left."""
+    out = small_disk("18m") / "run"
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"),
+                   f"--tokens={4 * STEP_TOKENS}"], "could not write the checkpoint", "intact")
+    assert newest(out).name == "step-00000001"
+    leftovers = [p for p in out.rglob("*") if ".tmp" in p.name]
+    assert not leftovers, leftovers
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 1
 
 
 class Killed(BaseException):
     """A kill -9 at a chosen point: nothing after it runs (BaseException: no handler in train.py catches it)."""
 
 
-PROTOCOL_POINTS = [("rename", 1), ("rename", 2), ("remove_run_dir", 1), ("remove_run_dir", 3), ("write_json", 1),
-                   ("fsync_file", 2)]
+# (module, function, call): die at that call, counted from the second save of a run, then again in its resume.
+PROTOCOL_POINTS = [(os, "replace", 1), (os, "replace", 5), (os, "rename", 1), (os, "rename", 2),
+                   (rundir, "_fsync", 3), (os, "remove", 1)]
 
 
-def counting(owner, name, monkeypatch, die_at=None):
-    """Wrap owner.name: count its calls, and raise Killed at call number die_at."""
-    real, calls = getattr(owner, name), []
+def arm_kill(owner, name, patch, die_at, after_saves):
+    """Wrap owner.name to raise Killed at its call number die_at, counting only once `after_saves` saves
+    have started."""
+    real, real_save, calls, saves = getattr(owner, name), RunDir.save, [], []
 
     def wrapper(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == die_at:
-            raise Killed
+        if len(saves) >= after_saves:
+            calls.append(1)
+            if len(calls) == die_at:
+                raise Killed
         return real(*args, **kwargs)
-    monkeypatch.setattr(owner, name, wrapper)
-    return calls
+
+    def counted_save(self, *args, **kwargs):
+        saves.append(1)
+        return real_save(self, *args, **kwargs)
+    patch.setattr(owner, name, wrapper)
+    patch.setattr(RunDir, "save", counted_save)
 
 
 def killed(argv):
-    """train.main(argv) dies of Killed; the dead run's frames (and so its lock on OUT) are released, as at exit."""
-    with pytest.raises(Killed) as info:
+    """train.main(argv), perhaps killed; the dead run's frames (and so its lock) are released, as at exit."""
+    try:
         train.main(argv)
-    info.value.__traceback__ = None
-    del info
+    except Killed as e:
+        e.__traceback__ = None
     gc.collect()
 
 
-@pytest.mark.parametrize("function, call", PROTOCOL_POINTS, ids=[f"{f}#{n}" for f, n in PROTOCOL_POINTS])
-def test_kill_at_each_point_of_the_save_resumes_bit_identically(function, call, demo_corpus, tmp_path, monkeypatch):
-    """Kill inside the second save, then again early in the resumed run (its recovery or first save): --resume
-    still finds the newest complete checkpoint and ends with the weights of a run never interrupted."""
-    flags = [f"--data={demo_corpus}", *SMALL, f"--tokens={4 * STEP_TOKENS}", "--save_interval=1"]
-    owner = train.os if function == "rename" else train
-    with monkeypatch.context() as patch:
-        calls = counting(owner, function, patch)
-        train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])  # 4 steps, 4 saves
-    per_save = len(calls) // 4
+@pytest.mark.parametrize("owner, function, call", PROTOCOL_POINTS,
+                         ids=[f"{o.__name__}.{f}#{n}" for o, f, n in PROTOCOL_POINTS])
+def test_kill_at_each_point_of_the_save_resumes_bit_identically(owner, function, call, demo_corpus, tmp_path,
+                                                                  monkeypatch):
+    """Kill inside the second save, then again in the resumed run's first save: --resume still finds the
+    newest complete checkpoint and ends with the weights of a run never interrupted."""
+    flags = [f"--data={demo_corpus}", *with_small("--save_interval=1"), f"--tokens={4 * STEP_TOKENS}", "--keep=2"]
+    train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])
     out = tmp_path / "run"
-    for argv, die_at in (([*flags, f"--out_dir={out}"], per_save + call), ([f"--out_dir={out}", "--resume"], call)):
+    for argv, after in (([*flags, f"--out_dir={out}"], 2), ([f"--out_dir={out}", "--resume"], 1)):
         with monkeypatch.context() as patch:
-            counting(owner, function, patch, die_at=die_at)
+            arm_kill(owner, function, patch, call, after)
             killed(argv)
     train.main([f"--out_dir={out}", "--resume"])
     straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run.lock", "straight", "straight.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "straight"]  # nothing beside the runs
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
     assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "loss" in r] == [1, 2, 3, 4]
 
 

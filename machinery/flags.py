@@ -1,0 +1,208 @@
+"""train.py's flags: --key=value parsed into its Config dataclass, --help written from the dataclass's own
+comments, and the range of every value. A reader of the recipe may skip this file."""
+import dataclasses
+import decimal
+import inspect
+import math
+import os
+import re
+
+from machinery.cli import InputError
+
+LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
+SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
+
+
+def field_types(config_cls):
+    return {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}  # "int", "float", "bool", "str"
+
+
+def parse_value(key, text, kind):
+    """One flag's text as its field's type. Integers are exact (10_000, 10e9, 10B; never rounded through a
+    float, which would turn --seed=9007199254740993 into another seed)."""
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind == "int":
+            scale = SUFFIXES.get(text[-1:].lower(), 1)
+            number = decimal.Decimal((text[:-1] if scale > 1 else text).replace("_", "")) * scale
+            if not number.is_finite() or number != number.to_integral_value() or abs(number) >= 2**63:
+                raise ValueError
+            return int(number)
+        if kind == "float":
+            return float(text)
+        return text
+    except (ValueError, ArithmeticError):
+        what = "int (an integer of magnitude below 2**63)" if kind == "int" else kind
+        raise InputError(f"--{key}={text!r} is not a valid {what}") from None
+
+
+def parse(argv, config_cls):
+    """--key=value or --key value (a bare --flag sets a bool). Unknown keys and repeated keys are errors.
+    Returns (flags, wants_help)."""
+    types, flags, wants_help, i = field_types(config_cls), {}, False, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            wants_help, i = True, i + 1
+            continue
+        if not arg.startswith("--"):
+            raise InputError(f"unexpected argument {arg!r}; flags look like --key=value (see --help)")
+        key, eq, value = arg[2:].partition("=")
+        if key not in types:
+            close = [k for k in types if k.startswith(key[:4])] or list(types)
+            raise InputError(f"unknown flag --{key}; did you mean {', '.join('--' + k for k in close[:6])}? "
+                             f"(python train.py --help lists them all)")
+        if key in flags:
+            raise InputError(f"--{key} is given twice; give each flag once")
+        if not eq:
+            if types[key] == "bool" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+                value = "true"
+            elif i + 1 < len(argv):
+                i, value = i + 1, argv[i + 1]
+            else:
+                raise InputError(f"--{key} needs a value")
+        flags[key] = parse_value(key, value, types[key])
+        i += 1
+    return flags, wants_help
+
+
+def help_text(config_cls, cfg, usage):
+    """Every flag with its value in `cfg` (the chosen recipe and phase) and the comment beside it in the
+    dataclass, grouped under the dataclass's own `# ...` heading lines."""
+    lines = [usage, "", f"flags (defaults for --recipe={cfg.recipe} --phase={cfg.phase}; pass those first to "
+                        f"see another recipe's):"]
+    for line in inspect.getsource(config_cls).splitlines()[1:]:
+        if m := re.match(r"\s+# (.*)", line):
+            lines += ["", m.group(1) + ":"]
+        elif m := re.match(r"\s+(\w+): \w+ = .*?(?:#\s*(.*))?$", line):
+            value = getattr(cfg, m.group(1))
+            lines.append(f"  --{m.group(1)}={value!s:<14} {m.group(2) or ''}".rstrip())
+    return "\n".join(lines)
+
+
+def check(cfg, allowed, world):
+    """Every value's range, before any data is read or any weight is loaded. `allowed` maps a field to the
+    names the lesson's tables define for it (phases, schedules, objectives, backends)."""
+    for key, names in allowed.items():
+        if getattr(cfg, key) not in names:
+            raise InputError(f"--{key}={getattr(cfg, key)!r}; expected one of {', '.join(names)}")
+    finite = math.isfinite
+    rules = [
+        (cfg.objective == "clm" or 0 < cfg.mask_rate < 1, f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
+        (cfg.data != "", "--data is required: a directory written by `python data.py prepare`"),
+        (cfg.tokens != 0 or cfg.init_from != "scratch",
+         f"--phase={cfg.phase} needs --init_from (the run it continues) or --tokens: 0 means 10% of that run's"),
+        (cfg.tokens > 0, f"--tokens={cfg.tokens}: expected a positive token budget (0: 10% of a run of ours "
+                         f"given by --init_from)"),
+        (cfg.schedule_tokens == 0 or cfg.schedule_tokens >= cfg.tokens,
+         f"--schedule_tokens={cfg.schedule_tokens}: the schedule's budget must cover this phase's "
+         f"--tokens={cfg.tokens} (0: the same)"),
+        (cfg.seq_len > 0, f"--seq_len={cfg.seq_len}: expected a positive length"),
+        (cfg.batch_size > 0 and cfg.micro_batch_size >= 0,
+         f"--batch_size={cfg.batch_size} must be positive and --micro_batch_size={cfg.micro_batch_size} >= 0"),
+        (finite(cfg.lr) and cfg.lr > 0, f"--lr={cfg.lr}: expected a positive finite learning rate"),
+        (cfg.lr < 1e37, f"--lr={cfg.lr}: Adam's update would overflow float32"),
+        (cfg.lr <= LR_BOUND or cfg.allow_high_lr,
+         f"--lr={cfg.lr} is above {LR_BOUND} (published encoder recipes stay below 2e-3); pass "
+         f"--allow_high_lr if you mean it"),
+        (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
+         f"--beta1={cfg.beta1}, --beta2={cfg.beta2}: expected 0 <= beta < 1"),
+        (finite(cfg.eps) and cfg.eps > 0, f"--eps={cfg.eps}: expected a positive finite number"),
+        (finite(cfg.weight_decay) and 0 <= cfg.weight_decay < 1,
+         f"--weight_decay={cfg.weight_decay}: expected 0 <= wd < 1"),
+        (cfg.warmup_tokens >= 0, f"--warmup_tokens={cfg.warmup_tokens}: expected >= 0"),
+        (0 <= cfg.final_lr_frac <= 1, f"--final_lr_frac={cfg.final_lr_frac}: expected a fraction in [0, 1]"),
+        (0 < cfg.decay_frac <= 1 and cfg.decay_tokens >= 0,
+         f"--decay_frac={cfg.decay_frac} must be in (0, 1] and --decay_tokens={cfg.decay_tokens} >= 0"),
+        (finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad_clip={cfg.grad_clip}: expected >= 0 (0 disables)"),
+        (0 <= cfg.dropout < 1, f"--dropout={cfg.dropout}: expected a probability in [0, 1)"),
+        (0 <= cfg.seed < 2**63 and 0 <= cfg.data_seed < 2**63,
+         f"--seed={cfg.seed}, --data_seed={cfg.data_seed}: expected 0 <= seed < 2**63"),
+        (cfg.eval_interval > 0 and cfg.log_interval > 0 and cfg.eval_sequences > 0,
+         "--eval_interval, --log_interval and --eval_sequences must be positive"),
+        (cfg.save_interval >= 0 and cfg.max_steps >= 0, "--save_interval and --max_steps must be >= 0 (0: at the end)"),
+        (cfg.keep >= 1, f"--keep={cfg.keep}: keep at least the newest checkpoint"),
+        (cfg.threads >= 0 and cfg.ddp_timeout > 0, "--threads must be >= 0 (0: automatic), --ddp_timeout positive"),
+        (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise InputError(message)
+    micro = cfg.micro_batch_size or cfg.batch_size // world
+    if micro == 0 or cfg.batch_size % (micro * world):
+        if not cfg.micro_batch_size:
+            counts = ", ".join(str(n) for n in range(1, cfg.batch_size + 1) if cfg.batch_size % n == 0)
+            raise InputError(f"--batch_size={cfg.batch_size} does not split evenly over {world} processes; run on "
+                             f"{counts} processes, or pass a --batch_size divisible by {world}")
+        raise InputError(f"--batch_size={cfg.batch_size} cannot be split into micro-batches of {micro} on {world} "
+                         f"process(es); change --micro_batch_size so that batch_size = micro_batch_size x "
+                         f"processes x k")
+    if cfg.tokens < cfg.batch_size * cfg.seq_len:
+        raise InputError(f"--tokens={cfg.tokens:,} is less than one optimizer step ({cfg.batch_size} x {cfg.seq_len} "
+                         f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
+
+
+def check_state(state, cfg):
+    """A checkpoint's counters against the configuration that wrote them (types were checked on reading):
+    a state.json edited by hand must not make a run stop early, train past its budget or hand off a
+    budget it never ran."""
+    where = os.path.join(state["dir"], "state.json")
+    per_step = cfg.batch_size * cfg.seq_len
+    steps = max(1, cfg.tokens // per_step)
+    rules = [
+        (state["phase_step"] <= steps, f"phase_step {state['phase_step']} is beyond the budget's {steps} steps"),
+        (state["phase_tokens"] == state["phase_step"] * per_step,
+         f"phase_tokens {state['phase_tokens']} != phase_step {state['phase_step']} x {per_step} tokens per step"),
+        (state["step"] >= state["phase_step"], f"step {state['step']} is below phase_step {state['phase_step']}"),
+        (state["schedule_tokens_done"] >= state["phase_tokens"],
+         f"schedule_tokens_done {state['schedule_tokens_done']} is below phase_tokens {state['phase_tokens']}"),
+        (state["phase"] == cfg.phase, f"phase {state['phase']!r} differs from its config's {cfg.phase!r}"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise InputError(f"{where}: {message}")
+
+
+def check_data_fits_model(meta, config, cfg):
+    """Data prepared with another tokenizer would train garbage: compare ids before any compute."""
+    ids = {"cls": config.cls_token_id, "sep": config.sep_token_id, "pad": config.pad_token_id,
+           "mask": config.mask_token_id}
+    wrong = [f"{k}: data {meta[k + '_id']} vs model {v}" for k, v in ids.items() if meta[k + "_id"] != v]
+    if meta["vocab_size"] > config.vocab_size or wrong:
+        raise InputError(f"{os.path.join(cfg.data, 'meta.json')} does not match the model of --init_from="
+                         f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
+                         + (f"; special ids {', '.join(wrong)}" if wrong else "")
+                         + ". Prepare the data with the model's tokenizer.")
+    if cfg.seq_len > config.max_position_embeddings:
+        raise InputError(f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+
+
+def check_val_split(cfg, val_windows):
+    if val_windows < cfg.eval_sequences:
+        raise InputError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
+                         f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
+
+
+def check_start(cfg, how, state, config_cls):
+    """Where the run starts against what it asks for: the chain of phases, the counters of the checkpoint
+    it starts from, the device and the attention backend. `how`: fresh | weights | handoff | resume."""
+    if cfg.recipe == "demo" and how == "weights" and not os.path.isfile(os.path.join(cfg.init_from, "run.json")):
+        raise InputError(f"--recipe=demo trains a tiny model; --init_from={cfg.init_from} (a pretrained "
+                         f"checkpoint) needs --recipe=paper or another recipe")
+    if cfg.phase == "decay" and how == "fresh":
+        raise InputError("--phase=decay needs --init_from: the run (or checkpoint) to decay from")
+    if how == "handoff" and state["phase"] == "decay" and cfg.phase == "decay":
+        raise InputError(f"--init_from={cfg.init_from} is a decay already; a decay continues an mlm or clm run")
+    if state is not None:
+        saved = {k: v for k, v in state["config"].items() if k in field_types(config_cls)}
+        check_state(state, cfg if how == "resume" else config_cls(**saved))
+    from machinery.cli import pick_device
+    from machinery.kernels import pick_backend
+    try:
+        pick_backend(pick_device(cfg.device), cfg.backend)
+    except ValueError as e:
+        raise InputError(f"--backend={cfg.backend}: {e}") from None
