@@ -91,7 +91,7 @@ BAD_FLAGS = [
     (["--tokens=1e400"], ["--tokens='1e400'"]),
     (["--recipe=huge"], ["--recipe='huge'"]),
     (["--phase=decay"], ["--phase=decay", "--init_from"]),
-    (["--backend=xformers"], ["--backend='xformers'"]),
+    (["--backend=xformers"], ["--backend=xformers", "expected auto"]),
     (["--batch_size=5"], ["--batch_size=5", "--micro_batch_size"]),
     (["--recipe=paper", "--init_from=/nonexistent/run"], ["--init_from=/nonexistent/run", "no such directory"]),
     (["--recipe=paper", "--init_from=./missing"], ["--init_from=./missing", "no such directory"]),
