@@ -195,34 +195,22 @@ def test_models_and_scores_that_are_not_finite_are_refused(inputs, nan_model, ar
     assert not (inputs["root"] / "div.json").exists()  # no score of a diverged run is written
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A folder on a real 1 MiB filesystem (tmpfs), or a skip that says why there is none."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
-                           text=True) if shutil.which("mount") else None
-    if mount is None or mount.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here ({mount.stderr.strip() if mount else 'no mount'})")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
-
-
 def test_a_full_disk_during_finetune_is_one_line(inputs, small_disk, capsys):
     """The disk fills between two calls: the second says so in one line and leaves the first's files as they
     were, with no temporary file behind."""
-    argv = f"finetune {{model}} --task={{task}} --epochs=1 --max_len=16 --seeds=1 --out={small_disk}/r.json"
+    folder = small_disk("1m")  # a real 1 MiB filesystem
+    argv = f"finetune {{model}} --task={{task}} --epochs=1 --max_len=16 --seeds=1 --out={folder}/r.json"
     run(ev.main, argv.format(**inputs).split(" ") + ["--device=cpu"])
-    before = {f.name: f.read_bytes() for f in [small_disk / "r.json", *(small_disk / "r.seeds").iterdir()]}
-    with open(small_disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+    before = {f.name: f.read_bytes() for f in [folder / "r.json", *(folder / "r.seeds").iterdir()]}
+    with open(folder / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
         for _ in range(1 << 10):  # until the disk is full
             f.write(b"\0" * (1 << 16))
     capsys.readouterr()
     assert run_main(argv + " --lr=1e-4", inputs) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "No space left on device" in err, err
-    after = {f.name: f.read_bytes() for f in [small_disk / "r.json", *(small_disk / "r.seeds").iterdir()]}
-    assert after == before and not [f for f in small_disk.rglob("*") if ".tmp" in f.name]
+    after = {f.name: f.read_bytes() for f in [folder / "r.json", *(folder / "r.seeds").iterdir()]}
+    assert after == before and not [f for f in folder.rglob("*") if ".tmp" in f.name]
 
 
 def test_bad_input_from_the_shell_has_no_traceback(inputs):

@@ -342,39 +342,28 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
         assert tree(tmp_path / "run") == before and leftovers(run) == []
 
 
-def mount_tmpfs(path, options):
-    path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here to fill a real disk ({result.stderr.strip()[:100]})")
-
-
 @pytest.mark.parametrize("checkpoints_of_room", [1.4, 2.2, 3.7])
-def test_a_real_full_disk_gives_one_error_and_keeps_the_previous_checkpoint(tmp_path, checkpoints_of_room):
+def test_a_real_full_disk_gives_one_error_and_keeps_the_previous_checkpoint(tmp_path, small_disk,
+                                                                           checkpoints_of_room):
     probe = RunDir.create(str(tmp_path / "probe"))
     save(probe, 1)
     one = sum(-(-os.path.getsize(os.path.join(r, f)) // 4096) * 4096 + 4096  # tmpfs: pages, and an inode
               for r, _, fs in os.walk(probe.path) for f in fs)
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, f"size={int(one * checkpoints_of_room) // 4096 * 4096}")
-    try:
-        run = RunDir.create(str(disk / "run"))
-        (disk / "run" / "README.md").write_text("mine")
-        errors, step = [], 0
-        while not errors and step < 20:
-            step += 1
-            before = tree(disk / "run")
-            try:
-                save(run, step, keep=100)
-            except InputError as e:
-                errors.append(str(e))
-        assert len(errors) == 1 and step >= 2, errors
-        assert f"step-{step - 1:08d} is intact" in errors[0] and "could not write the checkpoint" in errors[0]
-        assert tree(disk / "run") == before and leftovers(run) == []
-        check_checkpoint(run.latest_state(), step - 1)
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+    disk = small_disk(str(int(one * checkpoints_of_room) // 4096 * 4096))
+    run = RunDir.create(str(disk / "run"))
+    (disk / "run" / "README.md").write_text("mine")
+    errors, step = [], 0
+    while not errors and step < 20:
+        step += 1
+        before = tree(disk / "run")
+        try:
+            save(run, step, keep=100)
+        except InputError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and step >= 2, errors
+    assert f"step-{step - 1:08d} is intact" in errors[0] and "could not write the checkpoint" in errors[0]
+    assert tree(disk / "run") == before and leftovers(run) == []
+    check_checkpoint(run.latest_state(), step - 1)
 
 
 # ---- the schema of state.json --------------------------------------------------------------------------------
@@ -549,14 +538,11 @@ def test_graceful_stop(capsys, first, second):
     assert capsys.readouterr() == ("", "")
 
 
-@pytest.mark.parametrize("options, reason", [("size=64k,ro", "Read-only file system"),
-                                             ("size=4k,nr_inodes=2", "No space left on device")])
-def test_create_on_a_read_only_or_full_disk_is_one_error_and_leaves_nothing(tmp_path, options, reason):
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, options)
-    try:
-        with pytest.raises(InputError, match=rf"disk/run: cannot write a run there \({reason}\)"):
-            RunDir.create(str(disk / "run"))
-        assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+# The size string goes into tmpfs's "size=" mount option, so it carries the other options after a comma.
+@pytest.mark.parametrize("size, reason", [("64k,ro", "Read-only file system"),
+                                          ("4k,nr_inodes=2", "No space left on device")])
+def test_create_on_a_read_only_or_full_disk_is_one_error_and_leaves_nothing(small_disk, size, reason):
+    disk = small_disk(size)
+    with pytest.raises(InputError, match=rf"disk/run: cannot write a run there \({reason}\)"):
+        RunDir.create(str(disk / "run"))
+    assert os.listdir(disk) == []
