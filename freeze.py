@@ -1,17 +1,21 @@
-"""Layer-range freezing for the paper's interventions (SPEC §3): frozen means unchanged.
+"""Freezing blocks of layers, frozen meaning unchanged: the paper's interventions freeze blocks 0-7
+or 8-14 of the 22-layer base model during the CLM phase, or blocks 0-7 during the decay.
 
-`--freeze=0-7` (also `8-14`, `0,2,5`, `low`, `mid`) names transformer blocks. The trainer zeroes their
-gradients after each backward pass (what the paper does) AND tells the optimizer to skip them:
+`--freeze=0-7` (also `8-14`, `0,2,5`, `low`, `mid`) names transformer blocks. The trainer zeroes
+their gradients after each backward pass (what the paper does) AND tells the optimizer to skip them:
 under AdamW, zero gradients alone still move a parameter through its stale moments and the weight
 decay, so zeroing alone does not freeze anything.
 """
+from machinery.cli import InputError
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """'0-7' | '8-14' | '0,2,5' | 'low' (first third) | 'mid' (second third) | '' (none) -> sorted block indices."""
+    """'0-7' | '8-14' | '0,2,5' | 'low' (first third) | 'mid' (second third) | '' (none) -> sorted
+    block indices."""
     spec = spec.strip()
     third = round(n_layers / 3)  # 22 layers: low = 0-7, mid = 8-14, as in the paper
-    presets = {"": [], "none": [], "low": range(0, third + 1), "mid": range(third + 1, 2 * third + 1)}
+    presets = {"": [], "none": [], "low": range(0, third + 1),
+               "mid": range(third + 1, 2 * third + 1)}
     if spec in presets:
         return list(presets[spec])
     layers = set()
@@ -20,9 +24,11 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
         try:
             first, last = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"--freeze={spec!r}: expected block ranges like 0-7, 8-14 or 0,2,5, or low / mid") from None
+            raise InputError(f"--freeze={spec!r}: expected block ranges like 0-7, 8-14 or 0,2,5, "
+                             f"or low / mid") from None
         if not 0 <= first <= last < n_layers:
-            raise ValueError(f"--freeze={spec!r}: {part.strip()!r} is outside the model's blocks 0-{n_layers - 1}")
+            raise InputError(f"--freeze={spec!r}: {part.strip()!r} is outside the model's blocks "
+                             f"0-{n_layers - 1}")
         layers.update(range(first, last + 1))
     return sorted(layers)
 

@@ -1,19 +1,18 @@
 """Continued pretraining of ModernBERT: MLM, the CLM detour and the MLM decay, on 1 to N processes.
 
-    python train.py                                    # the demo: a tiny model on data/demo, minutes on a CPU
-    torchrun --nproc_per_node=4 train.py --phase=clm   # the same demo on 4 processes, same global batch
-    python train.py --phase=decay --init_from=out/demo-clm
-    python train.py --help                             # every flag, its default and what it means
+    python train.py                                   # the demo: a tiny model, minutes on a CPU
+    torchrun --nproc_per_node=4 train.py --phase=clm  # the demo's CLM on 4 processes, same batch
+    python train.py --phase=decay --init_from=out/demo-clm   # then the short MLM decay
+    python train.py --help                            # every flag, its default and its meaning
 
-A recipe names a scale (the paper's, the demo's, ...), a phase the objective and the schedule (RECIPE.md
-states the paper's numbers); flags override both. A run starts in one of four ways, printed at start: a
-fresh model; weights only (a Hugging Face checkpoint, or a run with --weights_only); a phase hand-off
-from one of our runs (weights, Adam moments, step counter and data position); or --resume (everything,
-bit for bit). Importing this file has no side effects.
+A recipe names a scale (the paper's, the demo's, ...), a phase the objective and the schedule
+(RECIPE.md states the paper's numbers); flags override both. A run starts in one of four ways,
+printed at start: a fresh model; weights only (a Hugging Face checkpoint, or a run with
+--weights_only); a phase hand-off from one of our runs (weights, Adam moments, step counter and data
+position); or --resume (everything, bit for bit). Importing this file has no side effects.
 """
 import dataclasses
 import datetime
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ import data
 import freeze
 from machinery import cli, curves, flags, progress
 from machinery.hf import read_config, resolve_checkpoint
+from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, code_version, rng_state, set_rng_state
 from model import BACKENDS, ModernBERT, ModernBERTConfig
 
@@ -39,22 +39,22 @@ class Config:
     # what to train, from where, to where
     recipe: str = "demo"  # a scale of RECIPES: paper | demo (a laptop CPU) | smoke | cpu
     phase: str = "mlm"  # a row of PHASES: mlm (the baseline) | clm (the detour) | decay
-    init_from: str = "scratch"  # scratch (a --preset) | a Hugging Face directory or hub id | a run of ours
-    weights_only: bool = False  # from a run of ours, its weights alone: fresh optimizer and data position
+    init_from: str = "scratch"  # scratch | a Hugging Face directory or hub id | a run of ours
+    weights_only: bool = False  # a run of ours as weights alone: fresh optimizer and data position
     preset: str = "base"  # the architecture from scratch: tiny | mini | small | base | large
     data: str = ""  # a directory written by `python data.py prepare`
     out_dir: str = ""  # default out/<phase> (paper), out/<recipe>-<phase> (the others)
     resume: bool = False  # continue out_dir exactly where it stopped
-    max_steps: int = 0  # stop, with a checkpoint, after this many steps in this invocation; 0: the budget
+    max_steps: int = 0  # this invocation stops (saved) after this many steps; 0: the budget
     # the budget and the batch
     tokens: int = 10_000_000_000  # this phase's budget; decay: 0 means 10% of the run it continues
     seq_len: int = 8192  # documents packed into windows of this many tokens
-    batch_size: int = 384  # global sequences per optimizer step (3.1M tokens)
+    batch_size: int = 384  # global sequences per optimizer step (the paper's: 3.1M tokens)
     micro_batch_size: int = 4  # sequences per process per forward; 0: batch_size / processes
     # the objective
     objective: str = "mlm"  # set by the phase: mlm, or clm (a causal mask and next-token labels)
-    mask_rate: float = 0.3  # MLM: the share of tokens to predict (80% [MASK], 10% random, 10% kept)
-    separate_documents: bool = False  # no attention across packed documents (the paper lets it cross)
+    mask_rate: float = 0.3  # MLM: the share of tokens predicted (80% [MASK], 10% random, 10% kept)
+    separate_documents: bool = False  # no attention across packed documents (the paper allows it)
     freeze: str = ""  # blocks whose weights stay unchanged: 0-7 | 8-14 | 0,2,5 | low | mid
     # the optimizer and the schedule
     lr: float = 2e-4  # peak learning rate
@@ -68,7 +68,7 @@ class Config:
     final_lr_frac: float = 0.1  # where 1-sqrt and wsd end, as a share of the peak
     decay_frac: float = 0.1  # wsd: the decay's share of the schedule's budget
     decay_tokens: int = 0  # wsd: the decay's length in tokens; overrides decay_frac when > 0
-    schedule_tokens: int = 0  # the budget one schedule spans (0: --tokens); later phases may continue it
+    schedule_tokens: int = 0  # one schedule's budget (0: --tokens); a later phase may continue it
     grad_clip: float = 1.0  # max global gradient norm (our choice; 0 disables)
     dropout: float = 0.0  # on the attention output projection (our choice)
     seed: int = 17  # training seed: init, masking, dropout
@@ -81,7 +81,7 @@ class Config:
     log_interval: int = 1  # steps between printed lines
     # hardware
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS, else idle cores / local processes
+    threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); a CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
     backend: str = "auto"  # attention: auto, or a row of BACKENDS
@@ -92,14 +92,14 @@ class Config:
 RECIPES = {
     "paper": {},
     "demo": dict(data="data/demo", preset="tiny", seq_len=256, batch_size=16, micro_batch_size=0,
-                 tokens=1_250_000, lr=2e-3, warmup_tokens=100_000, eval_interval=50, eval_sequences=16,
-                 save_interval=50, log_interval=10, compile=False),
-    "smoke": dict(preset="tiny", seq_len=128, batch_size=8, micro_batch_size=0, tokens=100_000, lr=2e-3,
-                  warmup_tokens=10_000, eval_interval=5, eval_sequences=8, save_interval=25,
-                  log_interval=10, compile=False),
-    "cpu": dict(preset="mini", seq_len=256, batch_size=32, micro_batch_size=0, tokens=2_000_000, lr=1e-3,
-                warmup_tokens=200_000, eval_interval=25, eval_sequences=16, save_interval=50,
-                log_interval=25, compile=False),
+                 tokens=1_250_000, lr=2e-3, warmup_tokens=100_000, eval_interval=50,
+                 eval_sequences=16, save_interval=50, log_interval=10, compile=False),
+    "smoke": dict(preset="tiny", seq_len=128, batch_size=8, micro_batch_size=0, tokens=100_000,
+                  lr=2e-3, warmup_tokens=10_000, eval_interval=5, eval_sequences=8,
+                  save_interval=25, log_interval=10, compile=False),
+    "cpu": dict(preset="mini", seq_len=256, batch_size=32, micro_batch_size=0, tokens=2_000_000,
+                lr=1e-3, warmup_tokens=200_000, eval_interval=25, eval_sequences=16,
+                save_interval=50, log_interval=25, compile=False),
 }
 # Phases: the objective and the schedule. The paper: MLM at 30% or CLM, warmup then constant; then
 # the decay, MLM at 15% from the peak down to 10% of it (1-sqrt) over 10% of Phase 1's tokens.
@@ -108,32 +108,24 @@ PHASES = {
     "clm": dict(objective="clm", schedule="constant"),
     "decay": dict(objective="mlm", mask_rate=0.15, schedule="1-sqrt", warmup_tokens=0, tokens=0),
 }
-# What a phase hand-off inherits from the run it continues: the same model, data, batch and optimizer.
-INHERITED = ("recipe", "preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1", "beta2",
-             "eps", "weight_decay", "grad_clip", "dropout", "separate_documents", "seed", "data_seed", "dtype")
-PER_INVOCATION = ("resume", "max_steps", "device")  # never taken from a saved configuration
-# What --resume may change besides: nothing that alters the numbers.
-RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "ddp_timeout")
+# What a phase hand-off inherits from the run it continues: the same model, data, batch, optimizer.
+INHERITED = ("recipe", "preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1",
+             "beta2", "eps", "weight_decay", "grad_clip", "dropout", "separate_documents", "seed",
+             "data_seed", "dtype")
 
 
 def resolve_config(given, saved=None, parent=None):
-    """Defaults < recipe < phase < what a hand-off inherits from `parent` < flags. `saved`: a resumed
-    run's configuration, which flags may change only in RESUMABLE."""
+    """Defaults < recipe < phase < what a hand-off inherits from `parent` < flags. `saved`: a
+    resumed run's configuration, which flags may change only where the numbers stay the same."""
     if saved is not None:
-        changed = [k for k, v in given.items() if k not in RESUMABLE and saved.get(k) != v]
-        if changed:
-            raise cli.InputError(f"--resume continues the run as it was saved; --{changed[0]}={given[changed[0]]} "
-                                 f"differs from its {saved.get(changed[0])!r}. Start a new run with --init_from")
-        return Config(**{**{k: v for k, v in saved.items() if k not in PER_INVOCATION}, **given})
+        return Config(**flags.resumed_settings(given, saved))
     inherited = {k: v for k, v in parent["config"].items() if k in INHERITED} if parent else {}
     recipe = given.get("recipe", inherited.get("recipe", Config.recipe))
     phase = given.get("phase", Config.phase)
-    for name, value, known in (("recipe", recipe, RECIPES), ("phase", phase, PHASES)):
-        if value not in known:
-            raise cli.InputError(f"--{name}={value!r}; expected one of {', '.join(known)}")
+    flags.check_names(dict(recipe=recipe, phase=phase), dict(recipe=RECIPES, phase=PHASES))
     cfg = Config(**{**RECIPES[recipe], **PHASES[phase], **inherited, **given})
     default_dir = f"out/{cfg.phase}" if cfg.recipe == "paper" else f"out/{cfg.recipe}-{cfg.phase}"
-    cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run are the same run
+    cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run: one run
     if cfg.tokens == 0 and parent:  # the decay: 10% of the tokens of the run it continues
         cfg.tokens = parent["phase_tokens"] // 10
     return cfg
@@ -144,13 +136,15 @@ def resolve_config(given, saved=None, parent=None):
 
 
 class AdamW:
-    """Decoupled AdamW (as Composer's DecoupledAdamW): Adam with bias correction, and weight decay scaled
-    by the schedule, not by the learning rate: p *= 1 - (lr_t / peak_lr) * wd. Equal to
-    torch.optim.AdamW(weight_decay=wd / peak_lr). Matrices decay; biases and norms (ndim <= 1) do not.
-    Parameters named in `frozen` are skipped entirely: no update from stale moments, no decay."""
+    """Decoupled AdamW (as Composer's DecoupledAdamW): Adam with bias correction, and weight decay
+    scaled by the schedule, not by the learning rate: p *= 1 - (lr_t / peak_lr) * wd. Equal to
+    torch.optim.AdamW(weight_decay=wd / peak_lr). Matrices decay; biases and norms (ndim <= 1) do
+    not. Parameters named in `frozen` are skipped entirely: no update from stale moments, no
+    decay."""
 
     def __init__(self, groups, peak_lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=1e-5, frozen=()):
-        self.groups = [(params, weight_decay if kind == "decay" else 0.0) for kind, params in groups.items()]
+        self.groups = [(params, weight_decay if kind == "decay" else 0.0)
+                       for kind, params in groups.items()]
         named = [name for params, _ in self.groups for name, _ in params]
         assert len(named) == len(set(named)), "every parameter belongs to exactly one group"
         self.peak_lr, self.betas, self.eps = peak_lr, betas, eps
@@ -190,8 +184,9 @@ class AdamW:
     def load_state_tensors(self, tensors, steps, source):
         want = set(self.state_tensors())
         if set(tensors) != want:
-            raise cli.InputError(f"{source} does not match the model: missing {sorted(want - set(tensors))[:5]}, "
-                                 f"unexpected {sorted(set(tensors) - want)[:5]}")
+            raise cli.InputError(f"{source} does not match the model: missing "
+                                 f"{sorted(want - set(tensors))[:5]}, unexpected "
+                                 f"{sorted(set(tensors) - want)[:5]}")
         for name, (m, v) in self.moments.items():
             m.copy_(tensors[f"exp_avg.{name}"])
             v.copy_(tensors[f"exp_avg_sq.{name}"])
@@ -214,21 +209,22 @@ def wsd(t, total, cfg):  # warmup-stable-decay: the peak, then 1-sqrt over the l
 
 SCHEDULES = {"constant": constant, "1-sqrt": one_minus_sqrt, "wsd": wsd}
 # The values these flags accept: the names the tables define, never typed twice.
-CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES, backend=("auto", *BACKENDS))
+CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES,
+               backend=("auto", *BACKENDS))
 FIELDS = flags.field_types(Config)  # a checkpoint's config must hold exactly these settings
 
 
 def learning_rate(cfg, t):
-    """The learning rate before a step, t tokens into the schedule (which may span several phases)."""
+    """The learning rate before a step, t tokens into the schedule (which may span phases)."""
     warmup = min(1.0, t / cfg.warmup_tokens) if cfg.warmup_tokens else 1.0
     return cfg.lr * warmup * SCHEDULES[cfg.schedule](t, cfg.schedule_tokens or cfg.tokens, cfg)
 
 
 @torch.no_grad()
-def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device, dtype="bfloat16",
-                      doc_sep_id=None):
-    """MLM loss at 15% masking and CLM loss on the first n_sequences windows of val.bin, whatever the
-    phase trains, so that phases and runs compare on the same numbers."""
+def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
+                      dtype="bfloat16", doc_sep_id=None):
+    """MLM loss at 15% masking and CLM loss on the first n_sequences windows of val.bin, whatever
+    the phase trains, so that phases and runs compare on the same numbers."""
     was_training = model.training
     model.eval()
     losses = {}
@@ -237,7 +233,8 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
         for x, y in data.val_batches(data_dir, seq_len, n_sequences, batch_size, objective, rate):
             docs = None if doc_sep_id is None else data.document_ids(x, doc_sep_id).to(device)
             with cli.autocast(device, dtype):
-                total.append(model(x.to(device), labels=y, causal=objective == "clm", doc_ids=docs)[1].float())
+                _, loss = model(x.to(device), labels=y, causal=objective == "clm", doc_ids=docs)
+            total.append(loss.float())
         losses[f"val_{objective}"] = torch.stack(total).mean().item()
     model.train(was_training)
     return losses
@@ -248,9 +245,9 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
 
 
 def start_point(given, master, world):
-    """(how, cfg, state, run_dir): how the run starts, its checked configuration, the checkpoint state
-    it starts from (None for a fresh model or a Hugging Face checkpoint), and rank 0's run directory."""
-    init_from = given.get("init_from", Config.init_from)
+    """(how, cfg, state, run_dir): how the run starts, its checked configuration, the state it
+    starts from (None: a fresh model or a Hugging Face one), and rank 0's run directory."""
+    init_from, out_dir = given.get("init_from", Config.init_from), given.get("out_dir", "")
     if given.get("resume"):
         how = "resume"  # everything of out_dir's newest checkpoint, bit for bit
     elif init_from == "scratch":
@@ -261,23 +258,24 @@ def start_point(given, master, world):
         how = "weights"  # a Hugging Face checkpoint
     run_dir = state = None
     if how == "resume":
-        if not RunDir.is_run(given.get("out_dir", "")):
+        if not RunDir.is_run(out_dir):
             raise cli.InputError(f"--resume needs --out_dir=<a run directory of train.py>; "
-                                 f"{given.get('out_dir') or 'none'} holds no run.json")
+                                 f"{out_dir or 'none'} holds no run.json")
         if master:
-            run_dir = RunDir.open(os.path.normpath(given["out_dir"]))
+            run_dir = RunDir.open(os.path.normpath(out_dir))
             run_dir.lock()
         state = all_gather(run_dir.latest_state(PHASES, FIELDS) if master else None, world)[0]
         if state is None:
-            raise cli.InputError(f"--resume --out_dir={given['out_dir']}: no complete checkpoint there yet")
-        cfg = resolve_config({**given, "out_dir": os.path.normpath(given["out_dir"])}, saved=state["config"])
+            raise cli.InputError(f"--resume --out_dir={out_dir}: no complete checkpoint there yet")
+        cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
     else:
         if RunDir.is_run(init_from):
             state = RunDir.open(init_from).latest_state(PHASES, FIELDS)
             if state is None:
-                raise cli.InputError(f"--init_from={init_from}: that run has no complete checkpoint yet")
+                raise cli.InputError(f"--init_from={init_from}: that run has no complete "
+                                     f"checkpoint yet")
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
-    flags.check_start(cfg, how, state, Config)  # the chain of phases, the checkpoint, the device, the backend
+    flags.check_start(cfg, how, state, Config)  # the chain of phases, checkpoint, device, backend
     flags.check(cfg, CHOICES, world)
     if master and how != "resume":
         run_dir = RunDir.create(cfg.out_dir)
@@ -286,19 +284,17 @@ def start_point(given, master, world):
 
 
 def schedule_start(cfg, how, state):
-    """Tokens of the schedule already run: a hand-off with the same --schedule and --schedule_tokens
-    continues its parent's schedule (no second warmup, one decay at the end); anything else starts it."""
+    """Tokens of the schedule already run: a hand-off with the same --schedule and
+    --schedule_tokens continues its parent's schedule (no second warmup, one decay at the end);
+    anything else starts it."""
     if how == "resume":
         return state["schedule_tokens_done"] - state["phase_tokens"]
     parent = state["config"] if how == "handoff" else {}
-    if cfg.schedule_tokens and (parent.get("schedule"), parent.get("schedule_tokens")) == \
-            (cfg.schedule, cfg.schedule_tokens):
-        done = state["schedule_tokens_done"]
-        if done + cfg.tokens > cfg.schedule_tokens:
-            raise cli.InputError(f"--tokens={cfg.tokens:,} after the {done:,} its parent ran exceeds "
-                                 f"--schedule_tokens={cfg.schedule_tokens:,}")
-        return done
-    return 0
+    ours = (cfg.schedule, cfg.schedule_tokens)
+    if not cfg.schedule_tokens or (parent.get("schedule"), parent.get("schedule_tokens")) != ours:
+        return 0
+    flags.check_schedule_fits(cfg, state["schedule_tokens_done"])
+    return state["schedule_tokens_done"]
 
 
 def build_model(cfg, how, state, meta, device):
@@ -314,9 +310,9 @@ def build_model(cfg, how, state, meta, device):
             raise cli.InputError(f"--init_from={cfg.init_from}: {e}") from None
     if source is None:
         vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
-        config = ModernBERTConfig.from_preset(cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"],
-                                              cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
-                                              mask_token_id=meta["mask_id"])
+        config = ModernBERTConfig.from_preset(
+            cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
+            sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"])
     else:
         config = read_config(os.path.join(source, "config.json"))
     flags.check_data_fits_model(meta, config, cfg)
@@ -328,8 +324,8 @@ def build_model(cfg, how, state, meta, device):
 
 
 def restore(how, state, optimizer, loader, device, rank, world):
-    """What a resume or a hand-off carries over: Adam moments and step counter, the data position, and
-    (resume only) the RNG streams. Returns (phase step, phase tokens, the chain of runs before this one)."""
+    """What a resume or a hand-off carries over: Adam moments and step counter, the data position,
+    and (resume only) the RNG streams. Returns (phase step, phase tokens, the runs before this)."""
     if how in ("resume", "handoff"):
         from safetensors.torch import load_file
         path = os.path.join(state["dir"], "optimizer.safetensors")
@@ -340,8 +336,27 @@ def restore(how, state, optimizer, loader, device, rank, world):
             set_rng_state(state["rng"][rank], device)
         return state["phase_step"], state["phase_tokens"], state["history"]
     if how == "handoff":
-        return 0, 0, state["history"] + [dict(phase=state["phase"], tokens=state["phase_tokens"], dir=state["dir"])]
+        parent = dict(phase=state["phase"], tokens=state["phase_tokens"], dir=state["dir"])
+        return 0, 0, state["history"] + [parent]
     return 0, 0, []
+
+
+# -----------------------------------------------------------------------------
+# The run: processes, setup, the loop, checkpoints.
+
+
+def init_processes(given):
+    """torchrun sets RANK: one code path for 1 and N processes. Returns (rank, world, device)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = cli.pick_device(given.get("device", Config.device), local_rank)
+    if "RANK" in os.environ:
+        timeout = datetime.timedelta(seconds=given.get("ddp_timeout", Config.ddp_timeout))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return rank, world, device
 
 
 def all_gather(obj, world):
@@ -351,10 +366,6 @@ def all_gather(obj, world):
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
-
-
-# -----------------------------------------------------------------------------
-# The run.
 
 
 @dataclass
@@ -381,27 +392,14 @@ class Run:
     code: dict  # the code version, saved with every checkpoint
 
 
-def init_processes(given):
-    """torchrun sets RANK: one code path for 1 and N processes. Returns (rank, world, device)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = cli.pick_device(given.get("device", Config.device), int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ:
-        timeout = datetime.timedelta(seconds=given.get("ddp_timeout", Config.ddp_timeout))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return rank, world, device
-
-
 def setup(given):
     """Everything before the first step: processes, where we start, data, model, optimizer."""
     rank, world, device = init_processes(given)
     how, cfg, state, run_dir = start_point(given, rank == 0, world)
     cfg.threads = cli.pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(cfg.threads)
-    if cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"] and rank == 0 \
-            and not os.path.exists(os.path.join(cfg.data, "meta.json")):
+    demo = cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"]
+    if demo and rank == 0 and not os.path.exists(os.path.join(cfg.data, "meta.json")):
         print(f"{cfg.data} is missing: building the embedded demo corpus")
         data.prepare_demo(cfg.data)
     all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
@@ -409,59 +407,42 @@ def setup(given):
     tokenizer = data.load_tokenizer(meta["tokenizer"])
     data.check_tokenizer(meta, tokenizer)
     micro = cfg.micro_batch_size or cfg.batch_size // world
-    loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, micro, rank, world, cfg.objective,
-                         cfg.mask_rate, cfg.data_seed, cfg.seed, device=device)
+    loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, micro, rank, world,
+                         cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed, device=device)
     model, source = build_model(cfg, how, state, meta, device)
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
-    try:
-        layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
-    except ValueError as e:
-        raise cli.InputError(str(e)) from None
+    layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
     frozen = freeze.frozen_names(model, layers)
-    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
+    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                      cfg.weight_decay, frozen)
     step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
-    print0 = print if rank == 0 else (lambda *a, **k: None)
-    print0({"resume": f"resume {cfg.out_dir} at phase step {step}: weights, Adam moments, step counter, "
-                      f"schedule, data position and RNG states",
-            "handoff": f"phase hand-off from {source}: weights, Adam moments, step counter and data position",
-            "weights": f"weights from {source}; a fresh optimizer, and the data from its first sequence",
-            "fresh": f"a fresh {cfg.preset} model (seed {cfg.seed})"}[how])
+    if rank == 0:
+        progress.start(how, cfg, step, source)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     if cfg.compile and device.type == "cuda":
-        for block in model.model.layers:  # regional compilation: one graph per block kind, compiled once
+        for block in model.model.layers:  # regional compilation: one graph per block kind
             block.compile()
-    # no device_ids: DDP would move the host-side labels to the GPU, and the model reads them on the host
+    # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if run_dir:
         run_dir.trim_log(step)  # the log holds exactly the steps of the checkpoint we start from
-    return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir, device, rank,
-               world, cfg.batch_size // (micro * world), step, phase_tokens, schedule_start(cfg, how, state),
-               history, code_version())
-
-
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU, for MFU
-
-
-def peak_flops(device):
-    """The GPU's dense bf16 peak from PEAK_FLOPS, or None (a CPU, an unknown GPU: no MFU)."""
-    if device.type != "cuda":
-        return None
-    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+    return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir,
+               device, rank, world, cfg.batch_size // (micro * world), step, phase_tokens,
+               schedule_start(cfg, how, state), history, code_version())
 
 
 def train(r):
-    """The loop: micro-batches accumulate gradients, then one clipped AdamW step; log, save, validate.
-    Returns the step it stopped at and whether a signal (Ctrl-C, SIGTERM) stopped it."""
+    """The loop: micro-batches accumulate gradients, then one clipped AdamW step; log, save,
+    validate. Returns (budget steps, whether a signal (Ctrl-C, SIGTERM) stopped it, seconds)."""
     cfg, model, params = r.cfg, r.model, list(r.model.parameters())
-    per_step = cfg.batch_size * cfg.seq_len
+    per_step, micro_batch = cfg.batch_size * cfg.seq_len, cfg.batch_size // r.accum // r.world
     total_steps = cfg.tokens // per_step
     stop_at = min(total_steps, r.step + cfg.max_steps) if cfg.max_steps else total_steps
     if r.rank == 0:
         progress.plan(r, total_steps)
-    flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm",
-                                  cfg.mask_rate if cfg.objective == "mlm" else 1.0)  # CLM predicts every token
+    predicted = cfg.mask_rate if cfg.objective == "mlm" else 1.0  # CLM predicts every token
+    flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", predicted)
     peak = peak_flops(r.device)
-    autocast = cli.autocast(r.device, cfg.dtype)
     first_step, t_start, signalled = r.step, time.time(), False
     with GracefulStop() as signals:
         while r.step < stop_at and not signalled:
@@ -473,7 +454,7 @@ def train(r):
                     r.ddp_model.require_backward_grad_sync = micro == r.accum - 1
                 x, y = r.loader.next()  # (micro, T) ids on the device, labels on the host
                 docs = data.document_ids(x, r.meta["sep_id"]) if cfg.separate_documents else None
-                with autocast:
+                with cli.autocast(r.device, cfg.dtype):
                     _, loss = r.ddp_model(x, labels=y, causal=cfg.objective == "clm", doc_ids=docs)
                 (loss / r.accum).backward()
                 r.loader.prefetch()  # the next micro-batch, prepared while the device works
@@ -482,47 +463,46 @@ def train(r):
             if cfg.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            shared = torch.stack([loss_sum / r.accum, torch.full((), float(signals.requested), device=r.device)])
+                grads = [p.grad for p in params if p.grad is not None]
+                grad_norm = torch.nn.utils.get_total_norm(grads)
+            stop = torch.full((), float(signals.requested), device=r.device)
+            shared = torch.stack([loss_sum / r.accum, stop])
             if dist.is_initialized():
-                dist.all_reduce(shared)  # the logged loss averages the ranks; one signal stops them all
-            loss_value, signal, norm_value = torch.cat([shared / r.world, grad_norm.float()[None]]).tolist()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # before the weights change
-                raise cli.InputError(f"non-finite loss {loss_value} or gradient norm {norm_value} at step "
-                                     f"{r.step + 1} (phase {cfg.phase}); stopped before the update. The last "
-                                     f"checkpoint in {cfg.out_dir} is kept; lower --lr or check the data")
+                dist.all_reduce(shared)  # the logged loss averages the ranks; one signal stops all
+            lossf, signal, norm = torch.cat([shared / r.world, grad_norm.float()[None]]).tolist()
+            flags.check_finite(lossf, norm, r.step + 1, cfg)  # before the weights change
             r.optimizer.step(lr)
             for p in params:
                 p.grad = None
             r.step, r.phase_tokens, signalled = r.step + 1, r.phase_tokens + per_step, signal > 0
-
-            dt = time.time() - t0
-            record = dict(phase=cfg.phase, step=r.step, tokens=r.phase_tokens, loss=round(loss_value, 5), lr=lr,
-                          grad_norm=round(norm_value, 4), ms=round(dt * 1000, 1), tokens_per_s=round(per_step / dt),
-                          mfu=round(flops * per_step / dt / r.world / peak, 4) if peak else None)
+            record = progress.record(r, lossf, lr, norm, time.time() - t0, flops, peak)
             if r.run_dir:  # before the save, so that the log and the checkpoint agree
                 r.run_dir.append_log(record)
-            if r.step == stop_at or signalled or (cfg.save_interval and r.step % cfg.save_interval == 0):
+            interval = cfg.save_interval and r.step % cfg.save_interval == 0
+            if r.step == stop_at or signalled or interval:
                 save(r)
-            if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):  # after the save
+            if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):  # saved
+                sep_id = r.meta["sep_id"] if cfg.separate_documents else None
                 record.update(validation_losses(model, cfg.data, cfg.seq_len, cfg.eval_sequences,
-                                                cfg.batch_size // r.accum // r.world, r.device, cfg.dtype,
-                                                r.meta["sep_id"] if cfg.separate_documents else None))
-                r.run_dir.append_log({k: record[k] for k in ("phase", "step", "tokens", "val_mlm", "val_clm")})
-            if r.rank == 0 and (r.step % cfg.log_interval == 0 or r.step in (stop_at, first_step + 1)
-                                or "val_mlm" in record):
-                progress.step_line(cfg, record, total_steps,
-                                   (time.time() - t_start) / (r.step - first_step) * (stop_at - r.step))
+                                                micro_batch, r.device, cfg.dtype, sep_id))
+                keys = ("phase", "step", "tokens", "val_mlm", "val_clm")
+                r.run_dir.append_log({k: record[k] for k in keys})
+            if r.rank == 0 and (r.step % cfg.log_interval == 0 or "val_mlm" in record
+                                or r.step in (stop_at, first_step + 1)):
+                eta = (time.time() - t_start) / (r.step - first_step) * (stop_at - r.step)
+                progress.step_line(cfg, record, total_steps, eta)
     return total_steps, signalled, time.time() - t_start
 
 
 def save(r):
-    """A checkpoint of everything a resume needs. all_gather is a collective: every rank gets here."""
-    state = dict(phase=r.cfg.phase, step=r.optimizer.steps, phase_step=r.step, phase_tokens=r.phase_tokens,
+    """A checkpoint of all a resume needs. all_gather is a collective: every rank comes here."""
+    state = dict(phase=r.cfg.phase, step=r.optimizer.steps, phase_step=r.step,
+                 phase_tokens=r.phase_tokens,
                  total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
-                 schedule_tokens_done=r.schedule_start + r.phase_tokens, loader=r.loader.state_dict(),
-                 rng=all_gather(rng_state(r.device), r.world), config=dataclasses.asdict(r.cfg), code=r.code,
-                 tokenizer=r.meta["tokenizer"], history=r.history)
+                 schedule_tokens_done=r.schedule_start + r.phase_tokens,
+                 loader=r.loader.state_dict(), rng=all_gather(rng_state(r.device), r.world),
+                 config=dataclasses.asdict(r.cfg), code=r.code, tokenizer=r.meta["tokenizer"],
+                 history=r.history)
     if r.run_dir:
         r.run_dir.save(r.model, r.optimizer.state_tensors(), state, r.tokenizer, r.cfg.keep)
         curves.draw_run(r.run_dir.path)
@@ -543,7 +523,5 @@ def main(argv=None):
         r.run_dir.unlock()
     if signalled:
         raise SystemExit(130)  # the shell's code for a run ended by a signal
-
-
 if __name__ == "__main__":
     cli.run(main)

@@ -11,6 +11,9 @@ from machinery.cli import InputError
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
+PER_INVOCATION = ("resume", "max_steps", "device")  # never taken from a saved configuration
+# What --resume may change besides: nothing that alters the numbers.
+RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "ddp_timeout")
 
 
 def field_types(config_cls):
@@ -72,23 +75,38 @@ def parse(argv, config_cls):
 def help_text(config_cls, cfg, usage):
     """Every flag with its value in `cfg` (the chosen recipe and phase) and the comment beside it in the
     dataclass, grouped under the dataclass's own `# ...` heading lines."""
-    lines = [usage, "", f"flags (defaults for --recipe={cfg.recipe} --phase={cfg.phase}; pass those first to "
-                        f"see another recipe's):"]
+    lines = [usage.strip(), "", f"flags (defaults for --recipe={cfg.recipe} --phase={cfg.phase}; pass those "
+                                f"first to see another recipe's):"]
     for line in inspect.getsource(config_cls).splitlines()[1:]:
         if m := re.match(r"\s+# (.*)", line):
             lines += ["", m.group(1) + ":"]
         elif m := re.match(r"\s+(\w+): \w+ = .*?(?:#\s*(.*))?$", line):
-            value = getattr(cfg, m.group(1))
-            lines.append(f"  --{m.group(1)}={value!s:<14} {m.group(2) or ''}".rstrip())
+            flag = f"--{m.group(1)}={getattr(cfg, m.group(1))}"
+            lines.append(f"  {flag:<27} {m.group(2) or ''}".rstrip())
     return "\n".join(lines)
+
+
+def check_names(values, allowed):
+    """Each value among the names the lesson's tables define for its flag (recipes, phases, schedules...)."""
+    for key, names in allowed.items():
+        if values[key] not in names:
+            raise InputError(f"--{key}={values[key]!r}; expected one of {', '.join(names)}")
+
+
+def resumed_settings(given, saved):
+    """A resumed run's settings: the saved ones, with the flags given now where they do not change the
+    numbers (RESUMABLE); any other difference is an error."""
+    changed = [k for k, v in given.items() if k not in RESUMABLE and saved.get(k) != v]
+    if changed:
+        raise InputError(f"--resume continues the run as it was saved; --{changed[0]}={given[changed[0]]} "
+                         f"differs from its {saved.get(changed[0])!r}. Start a new run with --init_from")
+    return {**{k: v for k, v in saved.items() if k not in PER_INVOCATION}, **given}
 
 
 def check(cfg, allowed, world):
     """Every value's range, before any data is read or any weight is loaded. `allowed` maps a field to the
     names the lesson's tables define for it (phases, schedules, objectives, backends)."""
-    for key, names in allowed.items():
-        if getattr(cfg, key) not in names:
-            raise InputError(f"--{key}={getattr(cfg, key)!r}; expected one of {', '.join(names)}")
+    check_names({key: getattr(cfg, key) for key in allowed}, allowed)
     finite = math.isfinite
     rules = [
         (cfg.objective == "clm" or 0 < cfg.mask_rate < 1, f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
@@ -143,6 +161,21 @@ def check(cfg, allowed, world):
     if cfg.tokens < cfg.batch_size * cfg.seq_len:
         raise InputError(f"--tokens={cfg.tokens:,} is less than one optimizer step ({cfg.batch_size} x {cfg.seq_len} "
                          f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
+
+
+def check_schedule_fits(cfg, done):
+    """A phase that continues its parent's schedule must end within that schedule's budget."""
+    if done + cfg.tokens > cfg.schedule_tokens:
+        raise InputError(f"--tokens={cfg.tokens:,} after the {done:,} its parent ran exceeds "
+                         f"--schedule_tokens={cfg.schedule_tokens:,}")
+
+
+def check_finite(loss, grad_norm, step, cfg):
+    """A step's loss and gradient norm, before the update: one non-finite value would poison every weight."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise InputError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {step} (phase {cfg.phase}); "
+                         f"stopped before the update. The last checkpoint in {cfg.out_dir} is kept; lower --lr or "
+                         f"check the data")
 
 
 def check_state(state, cfg):

@@ -1,10 +1,28 @@
-"""What a training run prints: its plan at the start, a line per logged step, and the summary at the end.
-A reader of the recipe may skip this file."""
+"""What a training run prints and logs: where it starts and its plan, a record and a line per step (with
+MFU against a per-GPU peak), and the summary at the end. A reader of the recipe may skip this file."""
 import dataclasses
 import json
 import sys
 
 import torch
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU, for MFU
+
+
+def peak_flops(device):
+    """The GPU's dense bf16 peak from PEAK_FLOPS, or None (a CPU, an unknown GPU: no MFU)."""
+    if device.type != "cuda":
+        return None
+    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+
+
+def start(how, cfg, step, source):
+    """The one line that says how the run starts and what it carries over."""
+    print({"resume": f"resume {cfg.out_dir} at phase step {step}: weights, Adam moments, step counter, "
+                     f"schedule, data position and RNG states",
+           "handoff": f"phase hand-off from {source}: weights, Adam moments, step counter and data position",
+           "weights": f"weights from {source}; a fresh optimizer, and the data from its first sequence",
+           "fresh": f"a fresh {cfg.preset} model (seed {cfg.seed})"}[how])
 
 
 def plan(r, total_steps):
@@ -27,6 +45,15 @@ def plan(r, total_steps):
     if epochs > 4:
         print(f"warning: the budget is {epochs:,.0f} epochs of {cfg.data}: the model will memorise it; lower "
               f"--tokens or prepare more data")
+
+
+def record(r, loss, lr, grad_norm, seconds, flops, peak):
+    """The log record of the step just taken; `flops` per token, `peak` per GPU (None: no MFU)."""
+    per_step = r.cfg.batch_size * r.cfg.seq_len
+    mfu = round(flops * per_step / seconds / r.world / peak, 4) if peak else None
+    return dict(phase=r.cfg.phase, step=r.step, tokens=r.phase_tokens, loss=round(loss, 5), lr=lr,
+                grad_norm=round(grad_norm, 4), ms=round(seconds * 1000, 1), tokens_per_s=round(per_step / seconds),
+                mfu=mfu)
 
 
 def step_line(cfg, record, total_steps, eta):
