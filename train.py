@@ -1,9 +1,10 @@
 """Continued pretraining of ModernBERT: MLM, the CLM detour and the MLM decay, on 1 to N processes.
 
-    python train.py                                   # the demo: a tiny model, minutes on a CPU
-    torchrun --nproc_per_node=4 train.py --phase=clm  # the demo's CLM on 4 processes, same batch
-    python train.py --phase=decay --init_from=out/demo-clm   # then the short MLM decay
-    python train.py --help                            # every flag, its default and its meaning
+    python train.py                                  # the demo's start model, out/demo-mlm: minutes
+    python train.py --phase=clm --init_from=out/demo-mlm --weights_only   # the detour: out/demo-mlm-clm
+    python train.py --phase=decay --init_from=out/demo-mlm-clm   # its decay: out/demo-mlm-clm-decay
+    torchrun --nproc_per_node=4 train.py --phase=clm # any command on 4 processes: same global batch
+    python train.py --help                           # every flag, its default and its meaning
 
 A recipe names a scale (the paper's, the demo's, ...), a phase the objective and the schedule
 (RECIPE.md states the paper's numbers); flags override both. A run starts in one of four ways,
@@ -125,6 +126,8 @@ def resolve_config(given, saved=None, parent=None):
     flags.check_names(dict(recipe=recipe, phase=phase), dict(recipe=RECIPES, phase=PHASES))
     cfg = Config(**{**RECIPES[recipe], **PHASES[phase], **inherited, **given})
     default_dir = f"out/{cfg.phase}" if cfg.recipe == "paper" else f"out/{cfg.recipe}-{cfg.phase}"
+    if RunDir.is_run(cfg.init_from):  # a run continuing ours is named after it: out/demo-mlm-clm
+        default_dir = f"{os.path.normpath(cfg.init_from)}-{cfg.phase}"
     cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run: one run
     if cfg.tokens == 0 and parent:  # the decay: 10% of the tokens of the run it continues
         cfg.tokens = parent["phase_tokens"] // 10

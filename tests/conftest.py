@@ -52,16 +52,17 @@ def demo_corpus(tmp_path_factory):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """mount(size) -> a folder on a real tmpfs of `size` (e.g. "1m"): a disk that really fills up, unmounted
-    after the test. Skips, saying why, where this process may not mount one."""
+    """mount(size, name, options) -> a folder on a real tmpfs of `size` (e.g. "1m"; `options` such as "ro"):
+    a disk that really fills up, unmounted after the test. Skips, saying why, where it cannot mount one."""
     import shutil
     import subprocess
     mounted = []
 
-    def mount(size, name="disk"):
+    def mount(size, name="disk", options=""):
         folder = tmp_path / name
         folder.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(filter(None, [f"size={size}", options])),
+                                 "tmpfs", str(folder)],
                                 capture_output=True, text=True) if shutil.which("mount") else None
         if result is None or result.returncode:
             pytest.skip(f"cannot mount a {size} tmpfs here, so no real full disk "

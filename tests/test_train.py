@@ -299,18 +299,10 @@ def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_p
     flags = [f"--data={demo_corpus}", f"--tokens={8 * 16 * 256}", "--save_interval=2", "--threads=1"]
     train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags, f"--out_dir={out}"],
-                            stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith(f"saved {out} at step"):
-            proc.kill()
-            break
-    proc.wait()
-    assert proc.returncode == -9, "the demo finished before it could be interrupted"
+    killed_after_first_save([*flags, f"--out_dir={out}"], out, step=2)
     train.main([f"--out_dir={out}", "--resume"])
     straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-
 
 
 # --- the warmup-stable-decay schedule and a phase switch inside one budget ------------------------------
@@ -350,11 +342,12 @@ def biphasic(corpus, root, kill_in=None):
     return load_file(root / "mlm" / "model.safetensors")
 
 
-def killed_after_first_save(argv, out):
+def killed_after_first_save(argv, out, step=1):
+    """`python train.py argv`, killed with SIGKILL right after it saved step `step`."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in proc.stdout:
-        if line.startswith(f"saved {out} at step 1"):
+        if line == f"saved {out} at step {step}\n":
             proc.kill()
             break
     proc.wait()
