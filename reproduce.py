@@ -226,7 +226,7 @@ def biphasic_plan(s, out, a):
     runs, data, per_step = out / "runs", out / "data" / "corpus", step_tokens(s["recipe"])
     assert s["steps"] % 4 == 0 and s["extra_steps"] % 2 == 0, "budgets in whole steps: 25% of B, half of E"
     B, E = s["steps"] * per_step, s["extra_steps"] * per_step
-    stages, tokenizer = data_stages(s["tokenizer"], a.corpus, a.corpus, out)
+    stages, _ = data_stages(s["tokenizer"], a.corpus, a.corpus, out)
     wsd = ["--schedule=wsd", *([f"--decay_tokens={s['decay_steps'] * per_step}"] if s["decay_steps"] else [])]
     mlm, clm = ["--phase=mlm", "--mask_rate=0.4"], ["--phase=clm"]  # the study's MLM masks 40%
 
