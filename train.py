@@ -1,7 +1,7 @@
 """Continued pretraining of ModernBERT: MLM, the CLM detour and the MLM decay, on 1 to N processes.
 
     python train.py                                  # the demo's start model, out/demo-mlm: minutes
-    python train.py --phase=clm --init_from=out/demo-mlm --weights_only  # the detour, out/demo-mlm-clm
+    python train.py --phase=clm --init_from=out/demo-mlm --weights_only  # the detour: demo-mlm-clm
     python train.py --phase=decay --init_from=out/demo-mlm-clm   # its decay: out/demo-mlm-clm-decay
     torchrun --nproc_per_node=4 train.py --phase=clm # any command on 4 processes: same global batch
     python train.py --help                           # every flag, its default and its meaning
