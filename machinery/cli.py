@@ -54,8 +54,18 @@ class Parser(argparse.ArgumentParser):
         return super().parse_args(args, namespace)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and `(default: ...)` after every flag's meaning."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and `(default: ...)` after every flag's meaning that has one
+    (a required flag, or a default of None that the meaning explains, has none to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS, False, [], ()) and not action.required \
+                and action.option_strings and "(default" not in text:
+            shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) \
+                else action.default
+            text += f" (default: {shown})"
+        return text
 
 
 def refuse_repeats(argv, parser=None):

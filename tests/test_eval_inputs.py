@@ -233,8 +233,9 @@ def test_every_flag_has_a_meaning_and_a_default_in_help():
         text = " ".join(sub.format_help().split())  # argparse wraps lines
         for action in sub._actions:
             assert action.help and len(action.help) > 10, (name, action.dest)
-            if action.option_strings and action.dest != "help":
-                assert f"(default: {action.default})" in text, (name, action.dest)
+            if action.option_strings and action.dest != "help" and action.default not in (None, False, []):
+                shown = ",".join(map(str, action.default)) if isinstance(action.default, tuple) else action.default
+                assert f"(default: {shown})" in text, (name, action.dest)  # None, off, none: the meaning says
     finetune = " ".join(commands["finetune"].format_help().split())
     assert "--lr LR AdamW peak learning rate (default: 5e-05)" in finetune
     assert "--seeds SEEDS fine-tuning seeds" in finetune and "--max_len MAX_LEN tokens per text" in finetune
