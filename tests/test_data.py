@@ -350,6 +350,7 @@ def test_parquet_input(tmp_path):
         data.prepare([path], "bytes", tmp_path / "out", field="body")
 
 
+@pytest.mark.slow  # builds the demo from scratch, as test_train does through train.py
 def test_demo_subprocess(tmp_path, demo_corpus):
     """`python data.py` builds data/demo: the docstrings, and a BPE of DEMO_VOCAB ids learned from them. The same
     bytes in any process (the session fixture built the demo in this one, with another hash seed)."""

@@ -132,6 +132,7 @@ def biphasic(biphasic_stopped):
     return out, args, finished(reproduce(*args))
 
 
+@pytest.mark.slow  # the detour's smoke run: about a minute
 def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     out, _, _, second, _ = detour
     assert "[skip]   mlm: finished" in second  # what the killed invocation finished is not run again
@@ -156,12 +157,14 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     assert report["time"]["wall"] <= report["time"]["summed"] + 1e-6  # stages ran side by side
 
 
+@pytest.mark.slow  # the detour's smoke run: about a minute
 def test_a_third_invocation_skips_every_finished_stage(detour):
     out, _, _, _, third = detour
     assert "[run]" not in third and "[resume]" not in third
     assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 26
 
 
+@pytest.mark.slow  # needs the detour's finished smoke run: about a minute
 @pytest.mark.parametrize("change, cause", [
     (["--scale=cpu"], "start (its command)"),
     (["--gpus=2"], "start (its command)"),
@@ -194,6 +197,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
     assert sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
 
+@pytest.mark.slow  # the detour's smoke run: about a minute
 def test_the_same_command_dry_run_lists_every_stage_finished(detour):
     out, args, _, _, _ = detour
     text = finished(reproduce(*args, "--dry_run"))

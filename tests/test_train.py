@@ -282,7 +282,7 @@ def check_hugging_face_directory(run_dir, tokenizer):
     assert len(guesses) == 5 and all(math.isfinite(g["score"]) for g in guesses)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_headline_command_on_n_processes(nproc, demo_corpus, tmp_path):
     """`torchrun --nproc_per_node=N train.py --phase clm` on the demo, as the README says (2 steps here)."""
     (tmp_path / "data").mkdir()
@@ -294,6 +294,7 @@ def test_headline_command_on_n_processes(nproc, demo_corpus, tmp_path):
                                  data.load_tokenizer(data.load_meta(demo_corpus)["tokenizer"]))
 
 
+@pytest.mark.slow  # SIGKILL and resume are also covered by the phase-switch test
 def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_path):
     """Kill -9 the demo after its first checkpoint, --resume it: the same weights as a run never interrupted."""
     flags = [f"--data={demo_corpus}", f"--tokens={8 * 16 * 256}", "--save_interval=2", "--threads=1"]
