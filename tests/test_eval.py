@@ -509,10 +509,6 @@ def test_finetune_checks_every_task_before_loading_or_training(tmp_path, capsys)
 def test_mlm_reports_trains_validation_losses(byte_models, texts, tmp_path, capsys):
     """`eval.py mlm` is train.py's validation: the model's own MLM loss on the 15%-masked windows, and its
     causal loss, on the same val.bin windows."""
-    try:
-        from train import validation_losses  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"train.validation_losses cannot be imported yet ({e})")
     data_dir = tmp_path / "data"
     prepare([texts], "bytes", data_dir, val_fraction=0.5)
     r = ev.mlm(byte_models[0], data_dir, n_sequences=4, seq_len=32, batch_size=4, device="cpu")
