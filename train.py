@@ -508,7 +508,10 @@ def save(r):
                  history=r.history)
     if r.run_dir:
         r.run_dir.save(r.model, r.optimizer.state_tensors(), state, r.tokenizer, r.cfg.keep)
-        curves.draw_run(r.run_dir.path)
+        try:
+            curves.draw_run(r.run_dir.path)
+        except OSError as e:  # the picture is not worth the run: the checkpoint is already written
+            print(f"warning: no loss picture this time ({e.strerror or e})")
         print(f"saved {r.run_dir.path} at step {r.step}")
 
 
