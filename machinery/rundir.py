@@ -16,8 +16,8 @@ Ownership is by marker, never by name alone: a folder under checkpoints/ is this
 folder with a name a save gives and a .checkpoint file holding this run's id, so a user's backup
 (`cp -r run run.old`), another run's checkpoint, a link, a folder the user renamed or put inside OUT is never
 read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
-state.json last), copies the Hugging Face files beside their top-level names, then renames: each top-level
-file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
+state.json last), hard-links (or, without links, copies) the Hugging Face files beside their top-level
+names, then renames: each top-level file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
 any folder of ours whose state.json is there counts, under whichever of those names.
 """
 import base64
@@ -248,8 +248,8 @@ class RunDir:
     # ---- the save ------------------------------------------------------------------------------------------
 
     def save(self, model, optimizer_tensors, state, tokenizer, keep):
-        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files its copies,
-        keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it was and raises
+        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files its
+        own (hard links), keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it was and raises
         one InputError. Returns the checkpoint's folder."""
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
@@ -267,7 +267,11 @@ class RunDir:
             published = sorted((n for n in files if n != OPTIMIZER), key=lambda n: n == "model.safetensors")
             for name in published:
                 staged[name] = os.path.join(self.path, f"{name}.tmp-{self.run_id}")
-                shutil.copyfile(os.path.join(tmp, name), staged[name])
+                _remove_file(staged[name])  # left by a save that was killed
+                try:  # the checkpoint's own bytes: a large model is not written a second time
+                    os.link(os.path.join(tmp, name), staged[name])
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(os.path.join(tmp, name), staged[name])
                 _fsync(staged[name])
             for name in published:
                 os.replace(staged[name], os.path.join(self.path, name))
@@ -299,8 +303,13 @@ class RunDir:
         if self._ours(tmp):  # left by an earlier process with our pid
             self._remove(tmp)
         os.makedirs(tmp)
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-            f.write(self.run_id + "\n")
+        try:
+            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+                f.write(self.run_id + "\n")
+        except OSError:  # a full disk here leaves an empty marker: the folder is not yet ours to clean
+            _remove_file(os.path.join(tmp, MARKER))
+            os.rmdir(tmp)
+            raise
         model.save_pretrained(tmp)
         save_file({k: v.detach().contiguous() for k, v in optimizer_tensors.items()}, os.path.join(tmp, OPTIMIZER))
         tokenizer.save_pretrained(tmp)

@@ -334,6 +334,7 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
             ("data.Tokenizer.save_pretrained", fail(OSError(5, "Input/output error")), "Input/output error"),
             ("os.replace", fail(IsADirectoryError(21, "Is a directory"), top_level, real_replace), "Is a directory")]:
         with monkeypatch.context() as m:
+            m.setattr("os.link", fail(OSError(18, "Invalid cross-device link")))  # the copy path publishes
             m.setattr(target, fake)
             with pytest.raises(InputError) as e:
                 save(run, 2)
