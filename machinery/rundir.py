@@ -17,8 +17,8 @@ folder with a name a save gives and a .checkpoint file holding this run's id, so
 (`cp -r run run.old`), another run's checkpoint, a link, a folder the user renamed or put inside OUT is never
 read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
 state.json last), hard-links (or, without links, copies) the Hugging Face files beside their top-level
-names, then renames: each top-level file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
-any folder of ours whose state.json is there counts, under whichever of those names.
+names, then renames: each top-level file into place, the folder to checkpoints/step-N. At every instant a
+complete checkpoint of this run exists: any folder of ours whose state.json is there counts, under whichever of those names.
 """
 import base64
 import binascii
@@ -248,8 +248,9 @@ class RunDir:
     # ---- the save ------------------------------------------------------------------------------------------
 
     def save(self, model, optimizer_tensors, state, tokenizer, keep):
-        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files its
-        own (hard links), keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it was and raises
+        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files
+        its own (hard links), keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it
+        was and raises
         one InputError. Returns the checkpoint's folder."""
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
