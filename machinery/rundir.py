@@ -18,7 +18,8 @@ folder with a name a save gives and a .checkpoint file holding this run's id, so
 read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
 state.json last), hard-links (or, without links, copies) the Hugging Face files beside their top-level
 names, then renames: each top-level file into place, the folder to checkpoints/step-N. At every instant a
-complete checkpoint of this run exists: any folder of ours whose state.json is there counts, under whichever of those names.
+complete checkpoint of this run exists: any folder of ours whose state.json is there counts, under whichever
+of those names.
 """
 import base64
 import binascii
@@ -250,8 +251,7 @@ class RunDir:
     def save(self, model, optimizer_tensors, state, tokenizer, keep):
         """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files
         its own (hard links), keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it
-        was and raises
-        one InputError. Returns the checkpoint's folder."""
+        was and raises one InputError. Returns the checkpoint's folder."""
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
         step = validate_state({**state, "files": {}}, "the state to save")["phase_step"]
