@@ -481,15 +481,15 @@ def train(r):
             record = progress.record(r, lossf, lr, norm, time.time() - t0, flops, peak)
             if r.run_dir:  # before the save, so that the log and the checkpoint agree
                 r.run_dir.append_log(record)
-            interval = cfg.save_interval and r.step % cfg.save_interval == 0
-            if r.step == stop_at or signalled or interval:
-                save(r)
-            if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):  # saved
+            if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):
                 sep_id = r.meta["sep_id"] if cfg.separate_documents else None
                 record.update(validation_losses(model, cfg.data, cfg.seq_len, cfg.eval_sequences,
                                                 micro_batch, r.device, cfg.dtype, sep_id))
                 keys = ("phase", "step", "tokens", "val_mlm", "val_clm")
-                r.run_dir.append_log({k: record[k] for k in keys})
+                r.run_dir.append_log({k: record[k] for k in keys})  # in the checkpoint's log too
+            interval = cfg.save_interval and r.step % cfg.save_interval == 0
+            if r.step == stop_at or signalled or interval:
+                save(r)
             if r.rank == 0 and (r.step % cfg.log_interval == 0 or "val_mlm" in record
                                 or r.step in (stop_at, first_step + 1)):
                 eta = (time.time() - t_start) / (r.step - first_step) * (stop_at - r.step)

@@ -228,11 +228,18 @@ def test_biphasic_arms_share_steps_and_one_wsd_schedule_across_the_switch(biphas
     B = runs["mlm"]["tokens"]
     assert B == 16 * 1024 and runs["clm"]["tokens"] == B
     alone = {t: lr for t, lr in runs["mlm"]["lr"]}
-    for share in (25, 50):
-        first, then = runs[f"clm{share}"], runs[f"clm{share}-mlm"]
-        assert first["tokens"] == B * share // 100 and first["tokens"] + then["tokens"] == B
-        chain = {t: lr for t, lr in first["lr"]} | {t + first["tokens"]: lr for t, lr in then["lr"]}
-        assert chain == pytest.approx(alone, rel=1e-9)
+    # CLM is trained once, handed off at 25% and 50% of B; the MLM phases branch off those hand-offs
+    assert [runs[n]["continues"] for n in ("clm25", "clm50", "clm", "clm25-mlm", "clm50-mlm")] == \
+        ["", "clm25", "clm50", "clm25", "clm50"]
+    for arm, shares in (("clm25-mlm", [25, 75]), ("clm50-mlm", [25, 25, 50]), ("clm", [25, 25, 50])):
+        chain, lrs, offset = [arm], {}, 0
+        while runs[chain[-1]]["continues"]:
+            chain.append(runs[chain[-1]]["continues"])
+        assert [runs[n]["tokens"] for n in reversed(chain)] == [B * share // 100 for share in shares]
+        for name in reversed(chain):
+            lrs |= {t + offset: lr for t, lr in runs[name]["lr"]}
+            offset += runs[name]["tokens"]
+        assert lrs == pytest.approx(alone, rel=1e-9), arm
     lrs = [lr for _, lr in runs["mlm"]["lr"]]
     assert lrs[-2] == max(lrs) > lrs[-1]  # the peak held to the last 10% of B, decayed in its last step only
     E = runs["cpt-from-mlm"]["tokens"]

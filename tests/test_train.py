@@ -160,6 +160,19 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]  # training records; validation has its own
 
 
+def test_a_save_finds_its_steps_validation_already_logged(corpus, tmp_path, monkeypatch):
+    """A kill right after a save loses no curve point, and the run's loss picture (drawn at the save) shows
+    the validation of the step it saves."""
+    logs_at_save, save = [], train.save
+
+    def spy(r):
+        logs_at_save.append([json.loads(line) for line in open(r.run_dir.log_path)])
+        save(r)
+    monkeypatch.setattr(train, "save", spy)
+    run(corpus, tmp_path / "run", f"--tokens={4 * STEP_TOKENS}", "--eval_interval=2", "--save_interval=2")
+    assert [[r["step"] for r in log if "val_mlm" in r] for log in logs_at_save] == [[2], [2, 4]]
+
+
 def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={10 * STEP_TOKENS}")
     clm_state = latest(tmp_path / "clm")
@@ -353,6 +366,21 @@ def killed_after_first_save(argv, out, step=1):
             break
     proc.wait()
     assert proc.returncode == -9, "the run finished before it could be killed"
+
+
+def test_a_hand_off_to_the_same_phase_equals_the_straight_run(corpus, tmp_path):
+    """CLM for 2 of 6 steps handed off to CLM for the other 4, in one schedule, ends bit-identical to 6 straight
+    steps: reproduce.py's biphasic study trains its CLM-only model as the continuation of CLM 25% and 50%."""
+    flags = [f"--data={corpus}", *small(*BIPHASIC, "--phase=clm")]
+    train.main([*flags, f"--tokens={6 * STEP_TOKENS}", f"--out_dir={tmp_path / 'straight'}"])
+    train.main([*flags, f"--tokens={2 * STEP_TOKENS}", f"--out_dir={tmp_path / 'first'}"])
+    train.main([*flags, f"--tokens={4 * STEP_TOKENS}", f"--init_from={tmp_path / 'first'}",
+                f"--out_dir={tmp_path / 'then'}"])
+    straight, then = (load_file(tmp_path / name / "model.safetensors") for name in ("straight", "then"))
+    assert all(torch.equal(straight[k], then[k]) for k in straight)
+    lrs = {name: [r["lr"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "loss" in r]
+           for name in ("straight", "first", "then")}
+    assert lrs["first"] + lrs["then"] == lrs["straight"] and latest(tmp_path / "then")["step"] == 6
 
 
 def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exactly(corpus, tmp_path):

@@ -1,0 +1,276 @@
+"""A study as stages: the Stage record, the fingerprints that keep an experiment directory to the results of
+one command, and the runner that runs stages side by side, resumes an interrupted training, and ends every
+stage on a signal or with its driver. reproduce.py says which stages a study has; a reader of the studies may
+skip this file.
+
+OUT/plan.json holds each stage's fingerprint; OUT/stages/NAME.json records a stage (fingerprint, threads;
+`finished` with its times once it ends); OUT/logs/NAME.log holds its output."""
+import functools
+import hashlib
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from machinery.cli import InputError, read_json, write_json
+
+ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
+GRACE = 60  # seconds a stage has to stop after SIGTERM (a training ends its step and saves) before SIGKILL
+WHOLE = 64 << 20  # inputs up to 64 MiB are hashed whole; a larger one by its size and its first and last MiB
+
+
+@dataclass
+class Stage:
+    """One command of a study, run from the repository root once the stages it `needs` have finished."""
+    name: str
+    command: list
+    needs: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)  # files and folders outside OUT whose content its results depend on
+    run_dir: str = ""  # a training stage's run directory: an interrupted one continues with --resume
+    continues: str = ""  # the stage whose run this one continues (its curve goes on from there)
+    threaded: bool = True  # takes --threads (train.py and eval.py do; data.py's commands need one core)
+    solo: bool = False  # nothing can run beside it (the start model): it gets every core
+
+
+# -----------------------------------------------------------------------------
+# Fingerprints: what a stage computes, so that OUT never mixes the results of two commands.
+
+
+def rel(path):
+    text = str(path)
+    return "python" if text == sys.executable else text.replace(str(ROOT) + os.sep, "")
+
+
+def shown(command, out=None):
+    """The command as a reader types it from the repository root; with `out`, the experiment directory written
+    as OUT (the fingerprint's form: a moved experiment keeps its fingerprints)."""
+    def arg(c):
+        c = str(c)
+        return c if out is None else "OUT" if c == str(out) else c.replace(str(out) + os.sep, "OUT/")
+    return shlex.join(rel(arg(c)) for c in command)
+
+
+@functools.lru_cache(maxsize=None)
+def content(path):
+    """sha256 of what a file holds (whole up to WHOLE bytes, else its size and its first and last MiB), or of a
+    folder's top-level files that are not hidden (a model directory's are its latest weights; a lock is not)."""
+    p, h = Path(path), hashlib.sha256()
+    try:
+        if p.is_dir():
+            for child in sorted(p.iterdir()):
+                if child.is_file() and not child.name.startswith("."):
+                    h.update(f"{child.name}\0{content(str(child))}\n".encode())
+            return h.hexdigest()
+        size = p.stat().st_size
+        h.update(f"{size}\0".encode())
+        with open(p, "rb") as f:
+            if size <= WHOLE:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            else:
+                h.update(f.read(1 << 20))
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read())
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
+    return h.hexdigest()
+
+
+def fingerprint(stages, out, study, scale):
+    """The plan as OUT/plan.json keeps it: per stage its command, its inputs' content hashes and a fingerprint
+    over both and over the fingerprints of the stages it needs; and one fingerprint for the whole plan."""
+    entries = {}
+    for s in stages:
+        inputs = {rel(p): content(str(p)) for p in s.inputs}
+        command = shown(s.command, out)
+        ups = [entries[n]["fingerprint"] for n in s.needs]
+        digest = hashlib.sha256(json.dumps([command, inputs, ups]).encode()).hexdigest()
+        entries[s.name] = dict(fingerprint=digest, command=command, inputs=inputs)
+    whole = hashlib.sha256(json.dumps([study, {n: e["fingerprint"] for n, e in entries.items()}]).encode())
+    return dict(written_by="reproduce.py", study=study, scale=scale, fingerprint=whole.hexdigest(), stages=entries)
+
+
+def check_out(out, plan):
+    """OUT is new, empty, or holds this very plan; otherwise one InputError naming the stages that differ."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out={out}: a file; expected a directory")
+    path = out / "plan.json"
+    if not path.exists():
+        if out.exists() and any(out.iterdir()):
+            raise InputError(f"--out={out} is not empty and holds no plan.json, so it is no experiment of "
+                             f"reproduce.py; choose a new --out")
+        return
+    old = read_json(path, "the plan of a reproduce.py experiment")
+    if not isinstance(old, dict) or not isinstance(old.get("stages"), dict):
+        raise InputError(f"{path}: not a plan of reproduce.py (no 'stages' object); choose a new --out")
+    if old.get("fingerprint") != plan["fingerprint"]:
+        raise InputError(f"--out={out} holds the results of another command ({differences(old, plan)}); finished "
+                         f"stages are never re-run in place nor mixed into another command's report: choose a new "
+                         f"--out, or delete {out} to start over")
+
+
+def differences(old, new):
+    """The stages whose fingerprints differ: those with a cause of their own (their command, an input's content,
+    a stage only one command has), then how many differ only through a stage they depend on."""
+    before, now = old["stages"], new["stages"]
+    differ = [n for n in now if (before.get(n) or {}).get("fingerprint") != now[n]["fingerprint"]]
+    own = {}
+    for n in (n for n in differ if isinstance(before.get(n), dict)):
+        if before[n].get("command") != now[n]["command"]:
+            own[n] = "its command"
+        elif before[n].get("inputs") != now[n]["inputs"]:
+            changed = [p for p, h in now[n]["inputs"].items() if (before[n].get("inputs") or {}).get(p) != h]
+            own[n] = f"the content of {', '.join(changed) or 'its inputs'}"
+    own |= {n: "not in that command" for n in differ if not isinstance(before.get(n), dict)}
+    own |= {n: "not in this command" for n in before if n not in now}
+    causes = [f"{n} ({why})" for n, why in own.items()]
+    causes = causes[:6] + ([f"{len(causes) - 6} more"] if len(causes) > 6 else [])
+    downstream = len([n for n in differ if n not in own])
+    return (f"{old.get('study')} at scale {old.get('scale')}: {len(own) + downstream} stages differ: "
+            + ", ".join(causes) + (f", and {downstream} that depend on them" if downstream else ""))
+
+
+
+# -----------------------------------------------------------------------------
+# Running: up to --jobs stages side by side, an interrupted training resumed, all ended together.
+
+
+def stage_record(out, name, fingerprint_):
+    """A stage's record, if it was written for this fingerprint; else {}."""
+    path = out / "stages" / f"{name}.json"
+    saved = read_json(path, "a stage record of reproduce.py") if path.exists() else {}
+    return saved if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint_ else {}
+
+
+def die_with_driver(driver):
+    """Runs in a stage's process before its command: the kernel sends it SIGKILL when the driver dies, even by
+    SIGKILL, so that no stage outlives its driver (a SIGTERM would let it save while a rerun starts beside it)."""
+    def set_up():
+        if sys.platform.startswith("linux"):
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != driver:  # the driver died before that took effect
+            os._exit(1)
+    return set_up
+
+
+def launch(stage, out, fingerprint_, threads):
+    command, verb = stage.command, "run"
+    if stage.run_dir and has_checkpoint(stage.run_dir):
+        trainer_end = command.index(str(ROOT / "train.py")) + 1  # an interrupted training continues exactly
+        command, verb = [*command[:trainer_end], "--resume", f"--out_dir={stage.run_dir}"], "resume"
+    if stage.threaded:
+        command = [*command, f"--threads={threads}"]
+    print(f"[{verb}]{' ' * (7 - len(verb))}{stage.name}: {shown(command)}", flush=True)
+    write_json(out / "stages" / f"{stage.name}.json", dict(fingerprint=fingerprint_, command=shown(stage.command, out),
+                                                          threads=threads, finished=False))
+    log = open(out / "logs" / f"{stage.name}.log", "a")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_driver(os.getpid()))
+    return stage, proc, log, time.time()
+
+
+def has_checkpoint(run_dir):
+    from machinery.rundir import latest_state
+    try:
+        return latest_state(run_dir) is not None
+    except InputError:  # a damaged checkpoint: train.py --resume says what is wrong with it
+        return True
+
+
+def signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exited(proc):
+    """Whether the stage's first process has exited, without reaping it (its group id stays ours to signal)."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def end(running, stop):
+    """SIGTERM to every running stage's process group, SIGKILL to what is left after GRACE seconds or at a
+    second signal."""
+    for _, proc, _, _ in running.values():
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.time() + GRACE
+    while len(stop) < 2 and time.time() < deadline and not all(exited(p) for _, p, _, _ in running.values()):
+        time.sleep(0.1)
+    for _, proc, log, _ in running.values():
+        signal_group(proc, signal.SIGKILL)  # what a stage left behind in its group
+        proc.wait()
+        log.close()
+
+
+def run(stages, out, plan, jobs, cores):
+    """Run what is not finished, up to `jobs` at once, until all are done, one fails or a signal comes."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "stages").mkdir(exist_ok=True)
+    fps = {n: e["fingerprint"] for n, e in plan["stages"].items()}
+    done = {s.name for s in stages if stage_record(out, s.name, fps[s.name]).get("finished")}
+    for s in stages:
+        if s.name in done:
+            print(f"[skip]   {s.name}: finished", flush=True)
+    running, failed, stop = {}, [], []
+    handlers = {sig: signal.signal(sig, lambda signum, _: stop.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while running or not (failed or stop or len(done) == len(stages)):
+            ready = [s for s in stages if s.name not in done and s.name not in running and set(s.needs) <= done]
+            for stage in ready[:max(0, jobs - len(running))] if not (failed or stop) else []:
+                # fixed per stage (kept by a resume), so that a rerun computes the same numbers
+                threads = stage_record(out, stage.name, fps[stage.name]).get("threads") or \
+                    (cores if stage.solo else max(1, cores // jobs))
+                running[stage.name] = launch(stage, out, fps[stage.name], threads)
+            time.sleep(0.05)
+            if stop:
+                end(running, stop)
+                break
+            for name, (stage, proc, log, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[name]
+                if proc.returncode:
+                    failed.append(name)
+                    tail = (out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+                    print(f"[failed] {name} (exit {proc.returncode}); the end of {out / 'logs' / (name + '.log')}:"
+                          f"\n  " + "\n  ".join(tail), flush=True)
+                    continue
+                t1 = time.time()
+                write_json(out / "stages" / f"{name}.json", dict(
+                    stage_record(out, name, fps[name]), finished=True, seconds=round(t1 - t0, 3), start=t0, end=t1))
+                done.add(name)
+                print(f"[done]   {name} ({t1 - t0:.1f} s)", flush=True)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if stop:
+        print(f"reproduce: stopped by {signal.Signals(stop[0]).name}; the running stages were ended. Run the same "
+              f"command again to continue", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop[0])
+    if failed:
+        print(f"error: stage(s) {', '.join(failed)} failed; fix the cause and run the same command again",
+              file=sys.stderr)
+        raise SystemExit(1)
+
+
+def stage_times(out, stages):
+    """Each stage's time, their sum, and the wall time: the time at least one stage ran (pauses between
+    invocations left out; an interrupted attempt's time is not counted)."""
+    records = {s.name: read_json(out / "stages" / f"{s.name}.json") for s in stages}
+    spans, wall, reach = sorted((r["start"], r["end"]) for r in records.values()), 0.0, -math.inf
+    for start, end_ in spans:
+        wall += max(0.0, end_ - max(start, reach))
+        reach = max(reach, end_)
+    seconds = {n: r["seconds"] for n, r in records.items()}
+    return dict(stages=seconds, summed=sum(seconds.values()), wall=wall)
+
