@@ -18,7 +18,6 @@ The tokenizers (a tokenizer.json run by tiktoken, the BPE trainer): machinery/to
 """
 import argparse
 import ast
-import hashlib
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from machinery.cli import InputError, Parser, read_json, run, usable_cores
+from machinery.cli import InputError, Parser, read_json, run, sha256_file, usable_cores
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
 
 # ----------------------------------------------------------------------------
@@ -198,7 +197,7 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                     sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
                     special_ids=tokenizer.special_ids, field=field, seed=seed,
                     val_fraction=val_fraction, mix=mix, splits=splits,
-                    sources=[dict(name=n, path=str(p), sha256=sha256(p), documents=len(lens))
+                    sources=[dict(name=n, path=str(p), sha256=sha256_file(p), documents=len(lens))
                              for n, p, lens in zip(names, paths, lengths)])
         tmp["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
         # meta.json goes last: a directory with a meta.json always holds the matching .bin files
@@ -628,11 +627,6 @@ def write_file(path, text):
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise InputError(f"{path}: cannot write ({e.strerror or e}); nothing was written") from None
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def progress(total, desc):

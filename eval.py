@@ -32,10 +32,9 @@ import torch.nn.functional as F
 
 from data import load_meta, load_tokenizer
 from machinery.cli import (InputError, Parser, autocast, pick_device, pick_threads, positive_int,
-                           read_json, run, write_json)
+                           read_json, run, sha256_file, write_json)
 from machinery.hf import read_config, resolve_checkpoint
-from machinery.tasks import (SPLITS, is_number, load_results, read_jsonl, read_task, score,
-                             sha256_file)
+from machinery.tasks import SPLITS, is_number, load_results, read_jsonl, read_task, score
 from model import IGNORE_INDEX, ModernBERT
 
 # ----------------------------------------------------------------------------

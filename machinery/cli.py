@@ -1,7 +1,8 @@
 """The command-line layer every script shares: one error type, one parser, one device, thread and autocast
-picker, JSON in and out. A reader of the recipe may skip this file."""
+picker, JSON in and out, a file's SHA-256. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -172,6 +173,18 @@ def read_json(path, what="a JSON file"):
         raise InputError(f"{path}: cannot read it ({e.strerror})") from None
     except (ValueError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({str(e)[:120]}); expected {what}") from None
+
+
+def sha256_file(path):
+    """The hex SHA-256 of a file's bytes, read in 16 MiB pieces (a model.safetensors can be gigabytes)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(1 << 24), b""):
+                digest.update(piece)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    return digest.hexdigest()
 
 
 def write_json(path, obj):

@@ -2,27 +2,14 @@
 files of `eval.py finetune`, and the content hashes that key saved results. Everything is checked in full
 before any model is loaded, so a typo in a test file does not cost a run. A reader of the recipe may skip
 this file."""
-import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 
-from machinery.cli import InputError, read_json
+from machinery.cli import InputError, read_json, sha256_file
 
 SPLITS = ("train", "dev", "test")
-
-
-def sha256_file(path):
-    """The hex SHA-256 of a file's bytes, read in 16 MiB pieces (a model.safetensors can be gigabytes)."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for piece in iter(lambda: f.read(1 << 24), b""):
-                digest.update(piece)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read it ({e.strerror})") from None
-    return digest.hexdigest()
 
 
 def lines(path):
