@@ -11,7 +11,8 @@ MLM decays (and one with the low blocks frozen); layer-wise CKA of the twins aga
 fine-tuning of every decayed model.
 --study=biphasic is pretraining from scratch at one budget B: MLM alone (40% masking), CLM for 25% or 50% of B
 then MLM, and CLM alone; same data order, seed and steps, one warmup-stable-decay schedule over all of B (its decay
-in the last 10%, after the switch; the MLM phase continues the CLM phase's run and schedule). Then continued
+in the last 10%, after the switch; the MLM phase continues the CLM phase's run and schedule). CLM is trained once:
+CLM alone is CLM 25% handed off to CLM at 25% and again at 50% of B, where the MLM phases branch off. Then continued
 pretraining: MLM for an extra budget E from the MLM-only and from the CLM-only model (their weights, with a fresh
 optimizer and schedule); and a decoder control: from the CLM-only model an MLM detour then a CLM return, against
 CLM continued for E, compared on validation CLM loss. Every final model is fine-tuned at three learning rates, to
