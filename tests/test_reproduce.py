@@ -226,7 +226,7 @@ def test_biphasic_arms_share_steps_and_one_wsd_schedule_across_the_switch(biphas
     report = json.loads((out / "report.json").read_text())
     runs = report["runs"]
     B = runs["mlm"]["tokens"]
-    assert B == 16 * 1024 and runs["clm"]["tokens"] == B
+    assert B == 16 * 1024
     alone = {t: lr for t, lr in runs["mlm"]["lr"]}
     # CLM is trained once, handed off at 25% and 50% of B; the MLM phases branch off those hand-offs
     assert [runs[n]["continues"] for n in ("clm25", "clm50", "clm", "clm25-mlm", "clm50-mlm")] == \
@@ -257,7 +257,8 @@ def test_biphasic_report_has_every_model_at_three_lrs_with_baselines(biphasic):
     assert list(report["finetune"]) == final
     assert all(list(report["finetune"][arm]) == ["0.0003", "0.001", "0.003"] for arm in final)
     assert all(len(t["seeds"]) == 2 for arm in final for lr in report["finetune"][arm].values() for t in lr.values())
-    assert all(len(report["runs"][arm]["val"]) >= 6 for arm in ("mlm", "clm"))  # every eval: 16 steps, one per 2
+    val = {name: len(run["val"]) for name, run in report["runs"].items()}  # every eval: 16 steps, one per 2
+    assert val["mlm"] >= 8 and val["clm25"] + val["clm50"] + val["clm"] >= 8
     text = (out / "report.md").read_text()
     assert text.startswith("# CLM then MLM against MLM alone, from scratch at one budget, scale `smoke`")
     assert "test the pipeline only" in text and "B = 16,384 (16 steps)" in text
