@@ -90,5 +90,10 @@ def summary(r, total_steps, signalled, elapsed):
           f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
-    if cfg.phase != "decay":
+    rest = (cfg.schedule_tokens or cfg.tokens) - r.schedule_start - r.phase_tokens
+    if rest > 0:  # the schedule goes on in a later phase: a hand-off continues it (MLM after CLM, as the study)
+        mlm = f"--phase=mlm --mask_rate={cfg.mask_rate}" if cfg.objective == "mlm" else "--phase=mlm"
+        print(f"next:       python train.py {mlm} --init_from={out} --schedule={cfg.schedule} "
+              f"--schedule_tokens={cfg.schedule_tokens} --tokens={rest}   # the rest of its schedule")
+    elif cfg.phase != "decay" and cfg.schedule == "constant":  # a decay-free phase: the paper's recipe decays it
         print(f"next:       python train.py --phase=decay --init_from={out}   # the short MLM decay")

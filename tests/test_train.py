@@ -368,12 +368,15 @@ def killed_after_first_save(argv, out, step=1):
     assert proc.returncode == -9, "the run finished before it could be killed"
 
 
-def test_a_hand_off_to_the_same_phase_equals_the_straight_run(corpus, tmp_path):
+def test_a_hand_off_to_the_same_phase_equals_the_straight_run(corpus, tmp_path, capsys):
     """CLM for 2 of 6 steps handed off to CLM for the other 4, in one schedule, ends bit-identical to 6 straight
     steps: reproduce.py's biphasic study trains its CLM-only model as the continuation of CLM 25% and 50%."""
     flags = [f"--data={corpus}", *small(*BIPHASIC, "--phase=clm")]
     train.main([*flags, f"--tokens={6 * STEP_TOKENS}", f"--out_dir={tmp_path / 'straight'}"])
+    assert "next:" not in capsys.readouterr().out  # its schedule ended with its own decay
     train.main([*flags, f"--tokens={2 * STEP_TOKENS}", f"--out_dir={tmp_path / 'first'}"])
+    assert f"--schedule=wsd --schedule_tokens={6 * STEP_TOKENS} --tokens={4 * STEP_TOKENS}   # the rest of its " \
+        "schedule" in capsys.readouterr().out
     train.main([*flags, f"--tokens={4 * STEP_TOKENS}", f"--init_from={tmp_path / 'first'}",
                 f"--out_dir={tmp_path / 'then'}"])
     straight, then = (load_file(tmp_path / name / "model.safetensors") for name in ("straight", "then"))
