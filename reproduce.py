@@ -2,7 +2,7 @@
 
     python reproduce.py --scale=smoke --out=out/smoke --jobs=2                    # the CLM detour: the pipeline works
     python reproduce.py --study=biphasic --scale=smoke --out=out/bi --jobs=2      # CLM then MLM from scratch
-    python reproduce.py --study=biphasic --scale=cpu --out=out/bi-cpu --jobs=2    # about 85 min of 2 CPU cores
+    python reproduce.py --study=biphasic --scale=cpu --out=out/bi-cpu --jobs=2    # 83 min of 2 CPU cores
     python reproduce.py --scale=paper --out=out/paper --dry_run                   # print every command, check inputs
 
 --study=detour (the default) is continued pretraining of an encoder: a start model; the CLM detour and its MLM
@@ -62,10 +62,9 @@ DETOUR = {
                   ft=dict(seeds="42,43,44,45,46", max_len=512), lrs=[5e-5]),
 }
 # B = `steps`, E = `extra_steps`, both multiples of 4 so that every share is whole steps. decay_steps 0: train.py's
-# --decay_frac (the last 10% of a schedule); the paper decays over its last 2k steps. The cpu scale is sized from
-# the detour's measured cpu run (1,900 tokens/s per one-thread training of `mini`; 40 s per fine-tuning seed of
-# 500 examples x 2 epochs): 8.5M training tokens (75 min of one core) and 24 fine-tunings of 3 tasks x 3 seeds
-# (75 min), about 85 min of wall time on 2 cores with --jobs=2.
+# --decay_frac (the last 10% of a schedule); the paper decays over its last 2k steps. The cpu scale, measured on
+# 2 cores with --jobs=2 (2026-11-25): 7.3M training tokens in 11 trainings (4,356 s summed, ~1,700 tokens/s each)
+# and 24 fine-tunings of 3 tasks x 3 seeds (~230 s each, 5,543 s summed), 83 min of wall time.
 BIPHASIC = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", steps=16, extra_steps=12, decay_steps=0, eval_interval=2,
                   ft=dict(seeds="42,43", epochs=1, train_subset=32, eval_subset=16, max_len=64),
@@ -528,8 +527,8 @@ def times(t):
 def parse(argv):
     parser = Parser(description=__doc__)
     parser.add_argument("--study", choices=STUDIES, default="detour", help="which comparison (see above)")
-    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in a minute; cpu: about "
-                        "90 min of 2 CPU cores; paper: the papers' budgets on the GPUs present")
+    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in a minute; cpu: 80-85 "
+                        "min of 2 CPU cores; paper: the papers' budgets on the GPUs present")
     parser.add_argument("--out", required=True, help="the experiment directory (plan, runs, logs, report); new, "
                         "empty, or made by this same command")
     parser.add_argument("--jobs", type=positive_int, default=1, help="stages run side by side (CPU: one per core)")
