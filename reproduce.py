@@ -2,21 +2,31 @@
 
     python reproduce.py --scale=smoke --out=out/smoke --jobs=2                    # the CLM detour: the pipeline works
     python reproduce.py --study=biphasic --scale=smoke --out=out/bi --jobs=2      # CLM then MLM from scratch
-    python reproduce.py --study=biphasic --scale=cpu --out=out/bi-cpu --jobs=2    # 83 min of 2 CPU cores
+    python reproduce.py --scale=cpu --out=out/detour-cpu --jobs=2                 # about 80 min of 2 CPU cores
     python reproduce.py --scale=paper --out=out/paper --dry_run                   # print every command, check inputs
 
+Every arm is trained --replicates times (default: 2 at smoke, 3 at cpu and paper scale). Replicate r of every arm
+shares its training seed (17 + r - 1) and its data-order seed (42 + r - 1) with replicate r of the other arms, so
+arms are compared pair by pair; replicates differ in both seeds, so they measure how much two pretraining runs of one
+arm differ. Every final model of every replicate is fine-tuned on every task with the same fine-tuning seeds.
+
 --study=detour (the default) is continued pretraining of an encoder: a start model; the CLM detour and its MLM
-twin on the domain corpus (same data order); three MLM seed controls; low or middle blocks frozen during CLM; the
-MLM decays (and one with the low blocks frozen); layer-wise CKA of the twins against the seed controls' band; and
-fine-tuning of every decayed model.
+twin on the domain corpus; low or middle blocks frozen during CLM; the MLM decays (and one with the low blocks
+frozen); layer-wise CKA of the twins, replicate by replicate, against the band of the MLM replicates compared with
+each other (the seed controls); and fine-tuning of every decayed model.
 --study=biphasic is pretraining from scratch at one budget B: MLM alone (40% masking), CLM for 25% or 50% of B
 then MLM, and CLM alone; same data order, seed and steps, one warmup-stable-decay schedule over all of B (its decay
-in the last 10%, after the switch; the MLM phase continues the CLM phase's run and schedule). CLM is trained once:
-CLM alone is CLM 25% handed off to CLM at 25% and again at 50% of B, where the MLM phases branch off. Then continued
-pretraining: MLM for an extra budget E from the MLM-only and from the CLM-only model (their weights, with a fresh
-optimizer and schedule); and a decoder control: from the CLM-only model an MLM detour then a CLM return, against
-CLM continued for E, compared on validation CLM loss. Every final model is fine-tuned at three learning rates, to
-see how much its score depends on the rate.
+in the last 10%, after the switch; the MLM phase continues the CLM phase's run and schedule). CLM is trained once
+per replicate: CLM alone is CLM 25% handed off to CLM at 25% and again at 50% of B, where the MLM phases branch
+off. Then continued pretraining: MLM for an extra budget E from the MLM-only and from the CLM-only model (their
+weights, with a fresh optimizer and schedule); and a decoder control: from the CLM-only model an MLM detour then a
+CLM return, against CLM continued for E, compared on validation CLM loss. The six encoders are fine-tuned at each
+learning rate of the scale; each model's rate is chosen on dev.
+
+The report (OUT/report.md, report.json, report.png) gives every difference between arms with its 95% interval over
+the replicates (and, for fine-tuning, the seeds and test examples), says "better" or "worse" only where the
+interval excludes 0, flags models that collapsed to the majority baseline, and reads test scores only at the
+setting each model chose on dev.
 
 Every stage is an ordinary command of data.py, train.py or eval.py, printed before it runs (its output goes to
 OUT/logs/STAGE.log). A finished stage is skipped, an interrupted training resumes, independent stages run side by
@@ -38,7 +48,7 @@ import time
 from pathlib import Path
 
 from machinery.cli import InputError, Parser, positive_int, read_json, run as run_main, usable_cores, write_json
-from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record, stage_times
+from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared" / "data"  # where the real data lives beside a checkout (never copied in)
@@ -46,47 +56,47 @@ TASKS = [SHARED / "tasks" / t for t in ("ncbi_disease", "chemprot", "pubmedqa")]
 HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no model trained on them
 
 # -----------------------------------------------------------------------------
-# Scales. Budgets in tokens (detour) or optimizer steps of the recipe (biphasic); `ft`: eval.py finetune's
-# flags, run once per learning rate of `lrs`; a small model fine-tunes best at a larger lr than base's 5e-5.
+# Scales. Budgets in tokens (detour) or optimizer steps of the recipe (biphasic); `replicates`: pretraining runs
+# per arm; `ft`: eval.py finetune's flags, run once per learning rate of `lrs`; a small model fine-tunes best at a
+# larger lr than base's 5e-5. The cpu scales keep within about 80-90 min of 2 idle cores each with 3 replicates:
+# the detour's arms are half as long as with one replicate (500k tokens; 1M moved every layer outside the band
+# before), the biphasic budget B is 80 steps (200 with one replicate) and its grid two learning rates and two seeds.
 
 DETOUR = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
-                  controls=3, eval_interval=2, cka=dict(n=32, seeds="42,43,44", max_len=128),
-                  ft=dict(seeds="42,43,44,45,46", epochs=1, train_subset=32, eval_subset=16, max_len=64), lrs=[1e-3]),
-    "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=1_000_000,
-                controls=3, eval_interval=10, cka=dict(n=300, seeds="42,43,44", max_len=256),
-                ft=dict(seeds="42,43,44,45,46", epochs=2, train_subset=500, eval_subset=200, max_len=128),
+                  replicates=2, eval_interval=2, cka=dict(n=32, seeds="42,43,44", max_len=128),
+                  ft=dict(seeds="42,43,44", epochs=1, train_subset=32, eval_subset=16, max_len=64), lrs=[1e-3]),
+    "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=500_000,
+                replicates=3, eval_interval=10, cka=dict(n=300, seeds="42,43,44", max_len=256),
+                ft=dict(seeds="42,43,44", epochs=2, train_subset=500, eval_subset=200, max_len=128),
                 lrs=[5e-4]),
-    "paper": dict(recipe="paper", start="answerdotai/ModernBERT-base", arm_tokens=10_000_000_000, controls=3,
+    "paper": dict(recipe="paper", start="answerdotai/ModernBERT-base", arm_tokens=10_000_000_000, replicates=3,
                   eval_interval=None, cka=dict(n=500, seeds="42,43,44", max_len=512),
                   ft=dict(seeds="42,43,44,45,46", max_len=512), lrs=[5e-5]),
 }
 # B = `steps`, E = `extra_steps`, both multiples of 4 so that every share is whole steps. decay_steps 0: train.py's
-# --decay_frac (the last 10% of a schedule); the paper decays over its last 2k steps. The cpu scale, measured on
-# 2 cores with --jobs=2 (2026-11-25): 7.3M training tokens in 11 trainings (4,356 s summed, ~1,700 tokens/s each)
-# and 24 fine-tunings of 3 tasks x 3 seeds (~230 s each, 5,543 s summed), 83 min of wall time.
+# --decay_frac (the last 10% of a schedule); the paper decays over its last 2k steps. warmup_steps: the cpu recipe's
+# 200k-token warmup would be 30% of its short B, longer than the first CLM share; 10% is what B = 200 steps had.
 BIPHASIC = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", steps=16, extra_steps=12, decay_steps=0, eval_interval=2,
-                  ft=dict(seeds="42,43", epochs=1, train_subset=32, eval_subset=16, max_len=64),
-                  lrs=[3e-4, 1e-3, 3e-3]),
-    "cpu": dict(recipe="cpu", tokenizer=8192, steps=200, extra_steps=60, decay_steps=0, eval_interval=10,
-                ft=dict(seeds="42,43,44", epochs=2, train_subset=250, eval_subset=100, max_len=128),
-                lrs=[2e-4, 5e-4, 1e-3]),
+                  replicates=2, ft=dict(seeds="42,43", epochs=1, train_subset=32, eval_subset=16, max_len=64),
+                  lrs=[1e-3, 3e-3]),
+    "cpu": dict(recipe="cpu", tokenizer=8192, steps=80, extra_steps=24, decay_steps=0, warmup_steps=8,
+                eval_interval=8, replicates=3, ft=dict(seeds="42,43", epochs=2, train_subset=250, eval_subset=200, max_len=128),
+                lrs=[5e-4, 2e-3]),
     "paper": dict(recipe="paper", tokenizer="answerdotai/ModernBERT-base", steps=12_000, extra_steps=12_000,
-                  decay_steps=2_000, eval_interval=None, ft=dict(seeds="42,43,44,45,46", max_len=512),
+                  decay_steps=2_000, eval_interval=None, replicates=3, ft=dict(seeds="42,43,44,45,46", max_len=512),
                   lrs=[2e-5, 5e-5, 1e-4]),
 }
-CONTROL_SEEDS = (18, 19, 20, 21, 22)  # the twins train with seed 17; a control differs from MLM only in its seed
-# Method names for tables and figures (a run directory's name is not a method's), final models first: the
-# order of the tables and of the colours, one per final model in every panel.
+SEED, DATA_SEED = 17, 42  # replicate r trains with seed 17 + r - 1 and data order 42 + r - 1 (r = 1: the paper's)
+# Method names for tables and figures (a run's name is its method's key and its replicate: clm-decay-r2), final
+# models first: the order of the tables and of the colours, one per final model in every panel.
 METHODS = {
     "detour": {"mlm-decay": "MLM", "clm-decay": "CLM detour", "clm-freeze-low-decay": "CLM, low blocks frozen",
                "clm-freeze-mid-decay": "CLM, middle blocks frozen",
                "clm-decay-freeze-low": "CLM, low blocks frozen in the decay", "start": "start model",
                "mlm": "MLM (Phase 1)", "clm": "CLM detour (Phase 1)", "clm-freeze-low": "CLM, low frozen (Phase 1)",
-               "clm-freeze-mid": "CLM, middle frozen (Phase 1)",
-               **{f"mlm-seed{seed}{end}": f"MLM seed control {seed}{what}" for seed in CONTROL_SEEDS
-                  for end, what in (("", " (Phase 1)"), ("-decay", ""))}},
+               "clm-freeze-mid": "CLM, middle frozen (Phase 1)"},
     "biphasic": {"mlm": "MLM only", "clm25-mlm": "CLM 25% then MLM", "clm50-mlm": "CLM 50% then MLM",
                  "clm": "CLM only", "cpt-from-mlm": "MLM-only model + MLM", "cpt-from-clm": "CLM-only model + MLM",
                  "decoder-detour-clm": "CLM-only + MLM detour + CLM", "decoder-clm": "CLM-only + CLM",
@@ -94,7 +104,9 @@ METHODS = {
                  "decoder-detour": "CLM-only + MLM detour (first phase)"},
 }
 FINAL = {"detour": list(METHODS["detour"])[:5], "biphasic": list(METHODS["biphasic"])[:8]}
-# The fine-tuning tables: (title, models, the model the others are paired against).
+# The encoders fine-tuned; the decoder control's two models are compared on validation CLM loss alone.
+FINETUNED = {"detour": FINAL["detour"], "biphasic": FINAL["biphasic"][:6]}
+# The comparisons: (title, models, the model the others are paired against).
 COMPARISONS = {
     "detour": [("the decayed models", FINAL["detour"], "mlm-decay")],
     "biphasic": [("from scratch at one budget B", FINAL["biphasic"][:4], "mlm"),
@@ -104,6 +116,15 @@ COMPARISONS = {
 }
 TITLES = {"detour": "The CLM detour against MLM in continued pretraining",
           "biphasic": "CLM then MLM against MLM alone, from scratch at one budget"}
+
+
+def replicate(name, r):
+    return f"{name}-r{r}"
+
+
+def seeds(r):
+    """A replicate's training seed and data-order seed, as train.py flags."""
+    return [f"--seed={SEED + r - 1}", f"--data_seed={DATA_SEED + r - 1}"]
 
 
 def python(script, *args):
@@ -139,22 +160,22 @@ def data_stages(spec, learn_from, corpus, out, needs=()):
     return stages, tokenizer
 
 
-def ft_path(out, arm, lr):
-    return out / "finetune" / f"{arm}-lr{lr:g}.json"
+def ft_path(out, model, lr):
+    return out / "finetune" / f"{model}-lr{lr:g}.json"
 
 
-def finetune_stages(s, out, tasks, study):
-    """Every final model fine-tuned on every task over the scale's seeds, once per learning rate."""
+def finetune_stages(s, out, tasks, study, R):
+    """Every fine-tuned model of every replicate on every task over the scale's seeds, once per learning rate."""
     flags = [f"--{k}={v}" for k, v in s["ft"].items()]
-    return [Stage(f"finetune-{arm}-lr{lr:g}", python("eval.py", "finetune", out / "runs" / arm,
-                                                    *(f"--task={t}" for t in tasks), *flags, f"--lr={lr}",
-                                                    f"--out={ft_path(out, arm, lr)}"), [arm], list(tasks))
-            for arm in FINAL[study] for lr in s["lrs"]]
+    return [Stage(f"finetune-{m}-lr{lr:g}", python("eval.py", "finetune", out / "runs" / m,
+                                                  *(f"--task={t}" for t in tasks), *flags, f"--lr={lr}",
+                                                  f"--out={ft_path(out, m, lr)}"), [m], list(tasks))
+            for r in range(1, R + 1) for m in (replicate(a, r) for a in FINETUNED[study]) for lr in s["lrs"]]
 
 
 def detour_plan(s, out, a):
     """Every stage of the CLM detour study, in an order that respects `needs`."""
-    runs, start, stages = out / "runs", a.start or s.get("start"), []
+    runs, start, stages, R = out / "runs", a.start or s.get("start"), [], a.replicates
     if start is None:  # no pretrained ModernBERT offline: our own start model learns general text first
         general = out / "general.jsonl"
         stages.append(Stage("data-general", python("data.py", "docstrings", "--out", general, "--max_bytes",
@@ -176,22 +197,26 @@ def detour_plan(s, out, a):
            f"--tokens={s['arm_tokens']}"]
     arms = [("clm", "clm", []), ("mlm", "mlm", []), ("clm-freeze-low", "clm", ["--freeze=low"]),
             ("clm-freeze-mid", "clm", ["--freeze=mid"])]
-    arms += [(f"mlm-seed{seed}", "mlm", [f"--seed={seed}"]) for seed in CONTROL_SEEDS[:s["controls"]]]
-    for name, phase, flags in arms:
-        stages.append(Stage(name, [*arm, f"--phase={phase}", *flags, f"--out_dir={runs / name}"],
-                            ["data-corpus", *start_needs], start_inputs, str(runs / name)))
     decays = [(f"{name}-decay", name, []) for name, _, _ in arms] + [("clm-decay-freeze-low", "clm", ["--freeze=low"])]
-    for name, parent, flags in decays:  # a phase hand-off: the decay continues its arm's run
-        stages.append(Stage(name, [*training(s, a.nproc), "--phase=decay", f"--init_from={runs / parent}", *flags,
-                                   f"--out_dir={runs / name}"], [parent], run_dir=str(runs / name), continues=parent))
-    controls = [f"mlm-seed{seed}" for seed in CONTROL_SEEDS[:s["controls"]]]
-    for when, suffix in (("before", ""), ("after", "-decay")):
-        pair = [f"mlm{suffix}", f"clm{suffix}", *(c + suffix for c in controls)]
+    for r in range(1, R + 1):
+        for name, phase, flags in arms:
+            run_dir = runs / replicate(name, r)
+            stages.append(Stage(replicate(name, r), [*arm, f"--phase={phase}", *flags, *seeds(r),
+                                                     f"--out_dir={run_dir}"],
+                                ["data-corpus", *start_needs], start_inputs, str(run_dir)))
+    for r in range(1, R + 1):
+        for name, parent, flags in decays:  # a phase hand-off: the decay continues its arm's run and seeds
+            run_dir, parent = runs / replicate(name, r), replicate(parent, r)
+            stages.append(Stage(replicate(name, r), [*training(s, a.nproc), "--phase=decay",
+                                                     f"--init_from={runs / parent}", *flags, f"--out_dir={run_dir}"],
+                                [parent], run_dir=str(run_dir), continues=parent))
+    for when, suffix in (("before", ""), ("after", "-decay")):  # the MLM replicates' pairs are the seed controls
+        mlm, clm = ([replicate(f"{name}{suffix}", r) for r in range(1, R + 1)] for name in ("mlm", "clm"))
         stages.append(Stage(f"cka-{when}", python(
-            "eval.py", "cka", runs / pair[0], runs / pair[1], *(f"--control={runs / c}" for c in pair[2:]),
+            "eval.py", "cka", ",".join(str(runs / m) for m in mlm), ",".join(str(runs / m) for m in clm),
             f"--texts={HELDOUT}", *(f"--{k}={v}" for k, v in s["cka"].items()), "--names=MLM,CLM",
-            f"--out={out / f'cka-{when}.json'}"), pair, [HELDOUT]))
-    return stages + finetune_stages(s, out, a.tasks, "detour")
+            f"--out={out / f'cka-{when}.json'}"), mlm + clm, [HELDOUT]))
+    return stages + finetune_stages(s, out, a.tasks, "detour", R)
 
 
 def step_tokens(recipe):
@@ -202,39 +227,44 @@ def step_tokens(recipe):
 
 
 def biphasic_plan(s, out, a):
-    """Every stage of the biphasic study. All trainings share the seed, the data order and the steps."""
+    """Every stage of the biphasic study. Within a replicate, all trainings share the seeds, the data order and
+    the steps."""
     runs, data, per_step = out / "runs", out / "data" / "corpus", step_tokens(s["recipe"])
     assert s["steps"] % 4 == 0 and s["extra_steps"] % 2 == 0, "budgets in whole steps: 25% of B, half of E"
     B, E = s["steps"] * per_step, s["extra_steps"] * per_step
     stages, _ = data_stages(s["tokenizer"], a.corpus, a.corpus, out)
-    wsd = ["--schedule=wsd", *([f"--decay_tokens={s['decay_steps'] * per_step}"] if s["decay_steps"] else [])]
+    wsd = ["--schedule=wsd", *([f"--decay_tokens={s['decay_steps'] * per_step}"] if s["decay_steps"] else []),
+           *([f"--warmup_tokens={s['warmup_steps'] * per_step}"] if s.get("warmup_steps") else [])]
     mlm, clm = ["--phase=mlm", "--mask_rate=0.4"], ["--phase=clm"]  # the study's MLM masks 40%
 
-    def arm(name, objective, tokens, schedule, parent="", weights_only=False):
-        """A training of `tokens` within a WSD schedule over `schedule` tokens: from scratch; from the weights of
-        `parent` (a fresh optimizer, data position and schedule); or continuing `parent`'s run, a hand-off that
-        carries its Adam moments, step counter, data position and schedule."""
-        origin = [f"--init_from={runs / parent}", *(["--weights_only"] if weights_only else [])] if parent else []
-        origin += [f"--data={data}"] if weights_only or not parent else []  # a hand-off inherits its data
-        return Stage(name, [*training(s, a.nproc), *objective, *wsd, f"--tokens={tokens}",
-                            f"--schedule_tokens={schedule}", *origin, f"--out_dir={runs / name}"],
-                     [parent or "data-corpus"], run_dir=str(runs / name), continues=parent)
+    for r in range(1, a.replicates + 1):
+        def arm(name, objective, tokens, schedule, parent="", weights_only=False):
+            """A training of `tokens` within a WSD schedule over `schedule` tokens: from scratch; from the weights
+            of `parent` (a fresh optimizer, data position and schedule); or continuing `parent`'s run, a hand-off
+            that carries its Adam moments, step counter, data position, seeds and schedule."""
+            name, parent = replicate(name, r), parent and replicate(parent, r)
+            origin = [f"--init_from={runs / parent}", *(["--weights_only"] if weights_only else [])] if parent else []
+            origin += [f"--data={data}", *seeds(r)] if weights_only or not parent else []  # a hand-off inherits
+            return Stage(name, [*training(s, a.nproc), *objective, *wsd, f"--tokens={tokens}",
+                                f"--schedule_tokens={schedule}", *origin, f"--out_dir={runs / name}"],
+                         [parent or "data-corpus"], run_dir=str(runs / name), continues=parent)
 
-    # CLM 25% and 50% are the first quarter and half of the CLM-only run (the same seed, data order and schedule),
-    # so CLM is trained once, in hand-offs at 25% and 50% of B that the MLM phases branch from: a hand-off within
-    # one schedule is bit-identical to the straight run, and B/4 + B/2 of training are saved. The longest chain
-    # comes first: the scheduler starts ready stages in this order.
-    stages += [arm("clm25", clm, B // 4, B), arm("clm50", clm, B // 4, B, "clm25"), arm("clm", clm, B // 2, B, "clm50")]
-    stages += [arm(f"clm{share}-mlm", mlm, B - B * share // 100, B, f"clm{share}") for share in (25, 50)]
-    stages.append(arm("mlm", mlm, B, B))
-    # Continued pretraining restarts the optimizer and the schedule (--weights_only): both start models ended
-    # their decay, and carrying Adam moments would give MLM-from-MLM moments of its own objective and
-    # MLM-from-CLM moments of another. Fresh ones leave the weights as the only difference.
-    stages += [arm("cpt-from-mlm", mlm, E, E, "mlm", True), arm("cpt-from-clm", mlm, E, E, "clm", True)]
-    stages += [arm("decoder-detour", mlm, E // 2, E, "clm", True),
-               arm("decoder-detour-clm", clm, E - E // 2, E, "decoder-detour"),
-               arm("decoder-clm", clm, E, E, "clm", True)]
-    return stages + finetune_stages(s, out, a.tasks, "biphasic")
+        # CLM 25% and 50% are the first quarter and half of the CLM-only run (the same seeds, data order and
+        # schedule), so CLM is trained once, in hand-offs at 25% and 50% of B that the MLM phases branch from: a
+        # hand-off within one schedule is bit-identical to the straight run, and B/4 + B/2 of training are saved.
+        # The longest chain comes first: the scheduler starts ready stages in this order.
+        stages += [arm("clm25", clm, B // 4, B), arm("clm50", clm, B // 4, B, "clm25"),
+                   arm("clm", clm, B // 2, B, "clm50")]
+        stages += [arm(f"clm{share}-mlm", mlm, B - B * share // 100, B, f"clm{share}") for share in (25, 50)]
+        stages.append(arm("mlm", mlm, B, B))
+        # Continued pretraining restarts the optimizer and the schedule (--weights_only): both start models ended
+        # their decay, and carrying Adam moments would give MLM-from-MLM moments of its own objective and
+        # MLM-from-CLM moments of another. Fresh ones leave the weights as the only difference.
+        stages += [arm("cpt-from-mlm", mlm, E, E, "mlm", True), arm("cpt-from-clm", mlm, E, E, "clm", True)]
+        stages += [arm("decoder-detour", mlm, E // 2, E, "clm", True),
+                   arm("decoder-detour-clm", clm, E - E // 2, E, "decoder-detour"),
+                   arm("decoder-clm", clm, E, E, "clm", True)]
+    return stages + finetune_stages(s, out, a.tasks, "biphasic", a.replicates)
 
 
 STUDIES = {"detour": (DETOUR, detour_plan), "biphasic": (BIPHASIC, biphasic_plan)}
@@ -247,45 +277,96 @@ def start_tokenizer(start):
 
 
 # -----------------------------------------------------------------------------
-# The report: OUT/report.md, OUT/report.json and OUT/report.png, from the finished stages of this plan alone.
+# The report: OUT/report.md, OUT/report.json and OUT/report.png, from the finished stages of this plan alone. The
+# numbers are gathered here; eval.py computes the intervals and the choices, machinery/report.py writes them out.
 
 
-def run_log(run_dir):
-    """A run's train and validation records (a resume trims the log to the checkpoint it starts from)."""
-    from machinery.curves import read_log
-    records = read_log(Path(run_dir) / "log.jsonl")
-    return {"train": [r for r in records if "loss" in r], "val": [r for r in records if "val_mlm" in r]}
+def report(out, study, scale, s, stages, plan, R):
+    from eval import compare  # imports torch: only the report needs it
+    from machinery import report as render
+    from machinery.stages import stage_times
+    runs = runs_summary(stages)
+    rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], runs=runs,
+               losses={title: losses(runs, models, base, R) for title, models, base in COMPARISONS[study]},
+               finetune={}, per_setting=per_setting(out, s, study, R), time=stage_times(out, stages))
+    for title, models, base in COMPARISONS[study]:
+        if set(models) <= set(FINETUNED[study]):
+            rep["finetune"][title] = compare({m: {f"{lr:g}": [ft_path(out, replicate(m, r), lr)
+                                                               for r in range(1, R + 1)] for lr in s["lrs"]}
+                                              for m in models}, base)
+    if study == "detour":
+        rep["cka"] = {w: {k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"}
+                      for w in ("before", "after")}
+    rep["what"] = what_was_run(rep, study, s, stages)
+    spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
+    rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
+    write_json(out / "report.json", finite(rep))
+    (out / "report.md").write_text(render.study_markdown(rep, spec))
+    print(f"report: {out / 'report.md'}, {out / 'report.json'}" + "".join(f", {out / f}" for f in rep["figures"]))
 
 
-def runs_summary(out, stages):
+def finite(obj):
+    """JSON has no inf or NaN (a ratio over a zero control divergence): such a number is written as its text."""
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return str(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def runs_summary(stages):
     """Per training stage: tokens trained, its validation points (every eval) and lr, the chain it continues, and
     what it trained, from the configuration its last checkpoint holds (`how`: e.g. 'mlm 40% masked, wsd')."""
+    from machinery.curves import read_log
     from machinery.rundir import latest_state
     summary = {}
     for s in (s for s in stages if s.run_dir):
-        log, c = run_log(s.run_dir), latest_state(s.run_dir)["config"]
+        records, c = read_log(Path(s.run_dir) / "log.jsonl"), latest_state(s.run_dir)["config"]
+        train, val = [r for r in records if "loss" in r], [r for r in records if "val_mlm" in r]
         rate = f" {c['mask_rate']:.0%} masked" if c["objective"] == "mlm" else ""
         summary[s.name] = dict(
-            tokens=max([r["tokens"] for r in log["train"]], default=0), continues=s.continues,
-            objective=c["objective"],
+            tokens=max([r["tokens"] for r in train], default=0), continues=s.continues, objective=c["objective"],
             how=f"{c['objective']}{rate}, {c['schedule']}" + (f", frozen: {c['freeze']}" if c["freeze"] else ""),
-            val=[[r["tokens"], r["val_mlm"], r["val_clm"]] for r in log["val"]],
-            lr=[[r["tokens"], r["lr"]] for r in log["train"]])
+            seed=c["seed"], data_seed=c["data_seed"], val=[[r["tokens"], r["val_mlm"], r["val_clm"]] for r in val],
+            lr=[[r["tokens"], r["lr"]] for r in train])
     return summary
 
 
-def finetune_summary(out, s, study):
-    """Per final model and lr: each task's primary test metric per seed, mean, std and majority baseline."""
-    summary = {}
-    for arm in FINAL[study]:
+def losses(runs, models, base, R):
+    """Per model: its final validation MLM and CLM losses over the replicates, mean and 95% interval; and its
+    paired difference to `base` replicate by replicate, with the verdict (lower is better)."""
+    from eval import t_interval, verdict
+    out = {}
+    for m in models:
+        out[m] = {}
+        for column, key in ((1, "val_mlm"), (2, "val_clm")):
+            final = [runs[replicate(m, r)]["val"][-1][column] for r in range(1, R + 1)]
+            ref = [runs[replicate(base, r)]["val"][-1][column] for r in range(1, R + 1)]
+            mean, low, high = t_interval(final)
+            entry = dict(each=final, mean=mean, low=low, high=high)
+            if m != base:
+                d, dl, dh = t_interval([x - y for x, y in zip(final, ref)])
+                entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"))
+            out[m][key] = entry
+    return out
+
+
+def per_setting(out, s, study, R):
+    """Per fine-tuned model, task and lr: the mean dev and test scores over its runs, and the dev baseline (the
+    appendix: test scores at settings no model chose are shown, never compared)."""
+    from machinery.tasks import load_results
+    table = {}
+    for m in FINETUNED[study]:
         for lr in s["lrs"]:
-            tasks = read_json(ft_path(out, arm, lr), "a results file of eval.py finetune")["tasks"]
-            summary.setdefault(arm, {})[f"{lr:g}"] = {
-                name: dict(metric=t["primary"], mean=t["mean"][t["primary"]], std=t["std"][t["primary"]],
-                           baseline=t["baseline"]["test"][t["primary"]],
-                           seeds={seed: r["test"][t["primary"]] for seed, r in t["seeds"].items()})
-                for name, t in tasks.items()}
-    return summary
+            results = [load_results(ft_path(out, replicate(m, r), lr)) for r in range(1, R + 1)]
+            for task, t in results[0]["tasks"].items():
+                metric = t["primary"]
+                runs = [x for res in results for x in res["tasks"][task]["seeds"].values()]
+                table.setdefault(m, {}).setdefault(task, {})[f"{lr:g}"] = dict(
+                    metric=metric, dev=float(sum(x["dev"][metric] for x in runs) / len(runs)),
+                    test=float(sum(x["test"][metric] for x in runs) / len(runs)),
+                    dev_baseline=t["baseline"]["dev"][metric], runs=len(runs))
+    return table
 
 
 def model_line(run_dir):
@@ -298,226 +379,40 @@ def model_line(run_dir):
             f"parameters, vocabulary {config['vocab_size']:,}")
 
 
-def report(out, study, scale, s, stages, plan):
-    rep = dict(study=study, scale=scale, fingerprint=plan["fingerprint"], runs=runs_summary(out, stages),
-               finetune=finetune_summary(out, s, study), time=stage_times(out, stages))
-    if study == "detour":
-        keys = ("layers", "divergence", "control_divergence", "ratio", "outside_band")
-        rep["cka"] = {w: {k: v for k, v in read_json(out / f"cka-{w}.json").items() if k in keys}
-                      for w in ("before", "after")}
-    rep["figures"] = [f for f in [figure(out, rep, study, s)] if f]
-    write_json(out / "report.json", finite(rep))
-    (out / "report.md").write_text(markdown(out, rep, study, s, stages))
-    print(f"report: {out / 'report.md'}, {out / 'report.json'}" + "".join(f", {out / f}" for f in rep["figures"]))
-
-
-def finite(obj):
-    """JSON has no inf or NaN (a ratio over a zero control divergence): such a number is written as its text."""
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return str(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
-
-
-def chain(runs, name):
-    """The runs `name` continues, first to last, ending with `name` itself."""
-    names = [name]
-    while runs[names[-1]]["continues"]:
-        names.append(runs[names[-1]]["continues"])
-    return names[::-1]
-
-
-def curve_segments(rep, arms):
-    """Per arm, its runs on one token axis (run, offset): the runs it continues come first, each drawn once, by
-    the first arm that has it, arms of one objective first (the CLM-only model draws the CLM runs that CLM 25%
-    and 50% then MLM branch off; the MLM-only model is an arm of its own)."""
-    runs, drawn, segments = rep["runs"], set(), {}
-    one_objective = [a for a in arms if len({runs[n]["objective"] for n in chain(runs, a)}) == 1]
-    for arm in one_objective + [a for a in arms if a not in one_objective]:
-        offset, parts = 0, []
-        for name in chain(runs, arm):
-            if name not in drawn and (name == arm or name not in arms):
-                parts.append((name, offset))
-                drawn.add(name)
-            offset += runs[name]["tokens"]
-        segments[arm] = parts
-    return {arm: segments[arm] for arm in arms}
-
-
-CURVES = [("val", 1, "validation MLM loss (15% masked)", "nats per token"),
-          ("val", 2, "validation CLM loss", "nats per token"), ("lr", 1, "learning rate", "learning rate")]
-
-
-def figure(out, rep, study, s):
-    """report.png: validation MLM and CLM loss and the learning rate against tokens (top), fine-tuning per task
-    (bottom), one colour per final model in every panel. None without matplotlib (said once)."""
-    from machinery.curves import new_figure, save
-    tasks = list(rep["finetune"][FINAL[study][0]][f"{s['lrs'][0]:g}"])
-    fig = new_figure((18, 10), 100, layout="constrained")
-    if fig is None:
-        return None
-    axes = fig.subplots(2, max(len(CURVES), len(tasks)), squeeze=False)
-    colour = {arm: f"C{i % 10}" for i, arm in enumerate(FINAL[study])}
-    handles = draw_curves(axes[0], rep, study, colour) + draw_finetuning(axes[1], rep, study, s, tasks, colour)
-    for ax in [*axes[0][len(CURVES):], *axes[1][len(tasks):]]:
-        ax.set_visible(False)
-    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9)
-    fig.suptitle(f"{TITLES[study]}, scale {rep['scale']}" + (" (smoke: these numbers test the pipeline only)"
-                                                              if rep["scale"] == "smoke" else ""))
-    save(fig, out / "report.png")
-    return "report.png"
-
-
-def draw_curves(axes, rep, study, colour):
-    """Every eval's validation losses, and the lr of every step, of each final model along the runs it continues,
-    one line per model that branches off the last point of a run another model draws; a dotted line where a run
-    continues another. Returns the legend's handles."""
-    from machinery.curves import tokens_axis
-    from matplotlib.lines import Line2D
-    runs, switches = rep["runs"], set()
-    for i, (arm, parts) in enumerate(curve_segments(rep, FINAL[study]).items()):
-        switches |= {offset for _, offset in parts} - {0}
-        first, start = parts[0]
-        before = runs[first]["continues"]  # a run another model draws: this one branches off its last point
-        for ax, (part, column, _, _) in zip(axes, CURVES):
-            points = [(start, runs[before][part][-1][column])] if before and runs[before][part] else []
-            points += [(p[0] + offset, p[column]) for name, offset in parts for p in runs[name][part]]
-            style = dict(lw=1.2, ms=3, marker="o") if part == "val" else dict(lw=3.5 - 0.3 * i, marker=".")
-            if points:  # the lr lines nested: where runs share a schedule, every one shows
-                ax.plot(*zip(*points), color=colour[arm], **style)
-    for ax, (_, _, title, unit) in zip(axes, CURVES):
-        for x in switches:
-            ax.axvline(x, color="grey", ls=":", lw=1)
-        ax.set(title=f"{title} against tokens", ylabel=unit)
-        tokens_axis(ax)
-    handles = [Line2D([], [], color=colour[arm], marker="o", ms=3, label=METHODS[study][arm]) for arm in colour]
-    if switches:
-        handles.append(Line2D([], [], color="grey", ls=":", label="a run continues another here"))
-    return handles
-
-
-def draw_finetuning(axes, rep, study, s, tasks, colour):
-    """Per task, each final model's test score at each fine-tuning lr (mean ± std over seeds) and the majority
-    baseline. Returns the legend's handles for the lrs and the baseline."""
-    from matplotlib.lines import Line2D
-    arms, markers, lrs = FINAL[study], "os^v", [f"{lr:g}" for lr in s["lrs"]]
-    for ax, task in zip(axes, tasks):
-        for k, lr in enumerate(lrs):
-            for i, arm in enumerate(arms):
-                r = rep["finetune"][arm][lr][task]
-                ax.errorbar(i + 0.2 * (k - (len(lrs) - 1) / 2), 100 * r["mean"], yerr=100 * r["std"],
-                            color=colour[arm], marker=markers[k], ms=5, capsize=2, ls="none")
-        ax.axhline(100 * r["baseline"], color="black", ls="--", lw=1)
-        ax.set_xticks(range(len(arms)), [METHODS[study][a] for a in arms], rotation=30, ha="right", fontsize=8)
-        ax.set(title=f"fine-tuning: {task}", ylabel=f"test {r['metric']} x100")
-    seeds = len(s["ft"]["seeds"].split(","))
-    return [Line2D([], [], color="black", ls="--", label="majority baseline (test split)")] + [
-        Line2D([], [], color="grey", marker=markers[k], ls="none",
-               label=f"fine-tuning lr {lr}: mean ± std over {seeds} seeds") for k, lr in enumerate(lrs)]
-
-
-def markdown(out, rep, study, s, stages):
-    from eval import cka_markdown, finetune_markdown  # imports torch: only the report needs it
-    lines = [f"# {TITLES[study]}, scale `{rep['scale']}`", ""]
-    if rep["scale"] == "smoke":
-        lines += ["**Smoke scale: a tiny model trained for seconds. These numbers test the pipeline only; they say "
-                  "nothing about the methods.**", ""]
-    lines += what_was_run(out, rep, study, s, stages)
-    lines += ["## Training runs", "", "Validation losses on the same held-out windows of the corpus for every run "
-              "(MLM with 15% masked, CLM on every position), at the end of each run; curves in report.png.", "",
-              "| run | method | objective, schedule | continues | tokens (with the runs it continues) | "
-              "validation MLM loss | validation CLM loss |", "|---|---|---|---|---|---|---|"]
-    for name, r in rep["runs"].items():
-        last = r["val"][-1] if r["val"] else [0, math.nan, math.nan]
-        total = sum(rep["runs"][n]["tokens"] for n in chain(rep["runs"], name))
-        lines.append(f"| {name} | {METHODS[study].get(name, '')} | {r['how']} | {r['continues'] or '-'} | "
-                     f"{r['tokens']:,}" + (f" ({total:,})" if r["continues"] else "") +
-                     f" | {last[1]:.4f} | {last[2]:.4f} |")
-    lines.append("")
-    if study == "biphasic":
-        lines += decoder_control(rep)
-    else:
-        for when in ("before", "after"):
-            lines += [f"## Layer-wise CKA {when} the decay", "",
-                      cka_markdown(read_json(out / f"cka-{when}.json")).strip(), "",
-                      f"![CKA {when} the decay](cka-{when}.png)", ""]
-    for title, arms, base in COMPARISONS[study]:
-        for lr in s["lrs"]:
-            results = {METHODS[study][a]: read_json(ft_path(out, a, lr)) for a in arms}
-            lines += [f"## Fine-tuning at lr {lr:g}: {title}", "",
-                      finetune_markdown(results, baseline_arm=METHODS[study][base]).strip(), ""]
-    if len(s["lrs"]) > 1:
-        lines += stability(rep, study, s)
-    lines += times(rep["time"]) + [f"![{f}]({f})" for f in rep["figures"]]
-    return "\n".join(lines) + "\n"
-
-
-def what_was_run(out, rep, study, s, stages):
-    ft, seeds = s["ft"], s["ft"]["seeds"].split(",")
+def what_was_run(rep, study, s, stages):
+    """The rows of the report's first table."""
+    ft, R = s["ft"], rep["replicates"]
     subsets = (f"{ft['train_subset']} train / {ft['eval_subset']} dev and test examples per task"
                if "train_subset" in ft else "the full tasks")
     epochs = f"{ft['epochs']} epoch(s)" if "epochs" in ft else "eval.py's default epochs"
-    first = next(st for st in stages if st.name == FINAL[study][0])
+    first = next(st for st in stages if st.name == replicate(FINAL[study][0], 1))
     tasks = next(st.inputs for st in stages if st.name.startswith("finetune-"))
+    seeds_ = ft["seeds"].split(",")
     rows = [("study", f"`--study={study}`: {TITLES[study]}"),
             ("scale", f"`{rep['scale']}`: `train.py --recipe={s['recipe']}`"),
             ("model", model_line(first.run_dir)),
-            ("tokens", budgets(rep, study, s) + "; every run's in the table below"),
-            ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {subsets}, "
-                            f"{ft['max_len']} tokens, {epochs}; lr {', '.join(f'{lr:g}' for lr in s['lrs'])}; "
-                            f"{len(seeds)} seeds ({', '.join(seeds)}) per model and lr"),
+            ("replicates", f"{R} pretraining run(s) per arm: replicate r trains with seed {SEED} + r - 1 and data "
+                           f"order {DATA_SEED} + r - 1, the same for every arm"),
+            ("tokens", budgets(rep, study, s) + "; every run's in the appendix"),
+            ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {subsets}, {ft['max_len']} tokens, "
+                            f"{epochs}; lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each model's chosen on dev); "
+                            f"{len(seeds_)} seeds ({', '.join(seeds_)}) per model, replicate and lr"),
             ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`")]
     if study == "detour":
-        rows.insert(4, ("CKA", f"{s['cka']['n']} held-out texts x {len(s['cka']['seeds'].split(','))} draws, "
-                               f"{s['cka']['max_len']} tokens; band: {s['controls']} MLM seed controls"))
-    return ["## What was run", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+        k = rep["cka"]["before"].get("controls", {}).get("k", 0)
+        rows.insert(5, ("CKA", f"{s['cka']['n']} held-out texts x {len(s['cka']['seeds'].split(','))} draws, "
+                               f"{s['cka']['max_len']} tokens; {R} MLM-CLM pairs; band: {k} seed control(s) (every "
+                               f"two MLM replicates)"))
+    return rows
 
 
 def budgets(rep, study, s):
-    runs = rep["runs"]
+    runs, one = rep["runs"], lambda name: runs[replicate(name, 1)]["tokens"]
     if study == "biphasic":
-        return (f"B = {runs['mlm']['tokens']:,} ({s['steps']} steps) for every model from scratch, E = "
-                f"{runs['cpt-from-mlm']['tokens']:,} ({s['extra_steps']} steps) more for every continued one")
-    start = f"start model {runs['start']['tokens']:,} (general text); " if "start" in runs else ""
-    return f"{start}Phase 1 {runs['clm']['tokens']:,} per arm; decay {runs['clm-decay']['tokens']:,}"
-
-
-def decoder_control(rep):
-    detour, plain = rep["runs"]["decoder-detour-clm"], rep["runs"]["decoder-clm"]
-    a, b = detour["val"][-1][2], plain["val"][-1][2]
-    return ["## Decoder control", "",
-            f"From the CLM-only model, E = {plain['tokens']:,} more tokens: an MLM detour then a CLM return ends at "
-            f"validation CLM loss {a:.4f}; CLM continued for the same tokens ends at {b:.4f} (detour - continued: "
-            f"{a - b:+.4f}; positive means the detour cost the decoder).", ""]
-
-
-def stability(rep, study, s):
-    """Per final model and task: the mean over seeds at each fine-tuning lr, and their range."""
-    tasks = list(rep["finetune"][FINAL[study][0]][f"{s['lrs'][0]:g}"])
-    lrs = [f"{lr:g}" for lr in s["lrs"]]
-    first = rep["finetune"][FINAL[study][0]][lrs[0]]
-    lines = ["## Stability across fine-tuning learning rates", "",
-             f"Mean test score (x100) over seeds at lr {' / '.join(lrs)}, and the range of those means: a smaller "
-             f"range means a model less sensitive to the fine-tuning lr.", "",
-             "| model | " + " | ".join(f"{t} [{first[t]['metric']}]" for t in tasks) + " |",
-             "|---|" + "---|" * len(tasks),
-             "| majority baseline | " + " | ".join(f"{100 * first[t]['baseline']:.2f}" for t in tasks) + " |"]
-    for arm in FINAL[study]:
-        cells = []
-        for t in tasks:
-            means = [100 * rep["finetune"][arm][lr][t]["mean"] for lr in lrs]
-            cells.append(" / ".join(f"{m:.2f}" for m in means) + f" (range {max(means) - min(means):.2f})")
-        lines.append(f"| {METHODS[study][arm]} | " + " | ".join(cells) + " |")
-    return lines + [""]
-
-
-def times(t):
-    lines = ["## Time", "",
-             f"Wall time: {t['wall']:.0f} s (while at least one stage ran; pauses between invocations left out). "
-             f"Summed stage time: {t['summed']:.0f} s (each stage's own time, added up: stages ran side by side). "
-             f"An interrupted attempt's time is in neither.", "", "| stage | seconds |", "|---|---|"]
-    return lines + [f"| {n} | {v:.1f} |" for n, v in t["stages"].items()] + [""]
+        return (f"B = {one('mlm'):,} ({s['steps']} steps) for every model from scratch, E = "
+                f"{one('cpt-from-mlm'):,} ({s['extra_steps']} steps) more for every continued one")
+    start = f"start model {runs['start']['tokens']:,} (general text, one run); " if "start" in runs else ""
+    return f"{start}Phase 1 {one('clm'):,} per arm; decay {one('clm-decay'):,}"
 
 
 # -----------------------------------------------------------------------------
@@ -527,8 +422,11 @@ def times(t):
 def parse(argv):
     parser = Parser(description=__doc__)
     parser.add_argument("--study", choices=STUDIES, default="detour", help="which comparison (see above)")
-    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in a minute; cpu: 80-85 "
+    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in minutes; cpu: 80-100 "
                         "min of 2 CPU cores; paper: the papers' budgets on the GPUs present")
+    parser.add_argument("--replicates", type=positive_int, default=None, help="pretraining runs per arm, paired "
+                        "across arms (default: the scale's, 2 at smoke, 3 at cpu and paper; the detour's CKA band "
+                        "needs 3)")
     parser.add_argument("--out", required=True, help="the experiment directory (plan, runs, logs, report); new, "
                         "empty, or made by this same command")
     parser.add_argument("--jobs", type=positive_int, default=1, help="stages run side by side (CPU: one per core)")
@@ -593,6 +491,7 @@ def main(argv=None):
     a.corpus, a.tasks = [Path(c).resolve() for c in a.corpus], [Path(t).resolve() for t in a.tasks]
     if a.start and Path(a.start).exists():  # stages run from the repository root
         a.start = str(Path(a.start).resolve())
+    a.replicates = a.replicates or s["replicates"]
     stages = plan_of(s, out, a)
     plan = fingerprint(stages, out, a.study, a.scale)
     check_out(out, plan)
@@ -613,7 +512,7 @@ def main(argv=None):
     print(f"reproduce: study {a.study}, scale {a.scale}, {len(stages)} stages, {a.jobs} at a time, into {out}")
     t0 = time.time()
     run(stages, out, plan, a.jobs, usable_cores())
-    report(out, a.study, a.scale, s, stages, plan)
+    report(out, a.study, a.scale, s, stages, plan, a.replicates)
     print(f"all stages finished; this invocation took {time.time() - t0:.0f} s")
 
 

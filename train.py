@@ -29,7 +29,7 @@ from machinery import cli, curves, flags, progress
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, code_version, rng_state, set_rng_state
-from model import BACKENDS, ModernBERT, ModernBERTConfig
+from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
 # Configuration: the paper's recipe as typed defaults. `--help` prints these comments.
@@ -223,22 +223,33 @@ def learning_rate(cfg, t):
     return cfg.lr * warmup * SCHEDULES[cfg.schedule](t, cfg.schedule_tokens or cfg.tokens, cfg)
 
 
+def token_sum(loss, labels):
+    """(the summed loss of a batch's labelled tokens, their count), from the batch's mean loss.
+    Summed over batches and processes and then divided, they give the mean over tokens, the same
+    for any batch size and any number of processes; a mean of batch means would weigh a short
+    batch as much as a full one. The labels stay on the host: counting them waits for no device."""
+    n = (labels != IGNORE_INDEX).sum().item()
+    return loss.detach().double() * n, n  # no labelled token: the model's loss is 0, and so is this
+
+
 @torch.no_grad()
 def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
                       dtype="bfloat16", doc_sep_id=None):
     """MLM loss at 15% masking and CLM loss on the first n_sequences windows of val.bin, whatever
-    the phase trains, so that phases and runs compare on the same numbers."""
+    the phase trains, so that phases and runs compare on the same numbers: each the mean over
+    every labelled token of those windows, whatever the batch size."""
     was_training = model.training
     model.eval()
     losses = {}
     for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
-        total = []
+        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
         for x, y in data.val_batches(data_dir, seq_len, n_sequences, batch_size, objective, rate):
             docs = None if doc_sep_id is None else data.document_ids(x, doc_sep_id).to(device)
             with cli.autocast(device, dtype):
                 _, loss = model(x.to(device), labels=y, causal=objective == "clm", doc_ids=docs)
-            total.append(loss.float())
-        losses[f"val_{objective}"] = torch.stack(total).mean().item()
+            summed, n = token_sum(loss, y)
+            total, count = total + summed, count + n
+        losses[f"val_{objective}"] = total.item() / max(count, 1)
     model.train(was_training)
     return losses
 
@@ -451,7 +462,7 @@ def train(r):
         while r.step < stop_at and not signalled:
             t0 = time.time()
             lr = learning_rate(cfg, r.schedule_start + r.phase_tokens)
-            loss_sum = torch.zeros((), device=r.device)
+            loss_sum, labelled = torch.zeros((), dtype=torch.float64, device=r.device), 0
             for micro in range(r.accum):
                 if dist.is_initialized():  # all-reduce gradients on the last micro-step only
                     r.ddp_model.require_backward_grad_sync = micro == r.accum - 1
@@ -459,20 +470,23 @@ def train(r):
                 docs = data.document_ids(x, r.meta["sep_id"]) if cfg.separate_documents else None
                 with cli.autocast(r.device, cfg.dtype):
                     _, loss = r.ddp_model(x, labels=y, causal=cfg.objective == "clm", doc_ids=docs)
+                # The gradient is the mean of the micro-batch means, as it always was: weighting it
+                # by tokens would change every trained number. Only the logged loss is per token.
                 (loss / r.accum).backward()
                 r.loader.prefetch()  # the next micro-batch, prepared while the device works
-                loss_sum += loss.detach()
+                summed, n = token_sum(loss, y)
+                loss_sum, labelled = loss_sum + summed, labelled + n
             freeze.zero_frozen_grads(model, r.frozen)
             if cfg.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             else:
                 grads = [p.grad for p in params if p.grad is not None]
                 grad_norm = torch.nn.utils.get_total_norm(grads)
-            stop = torch.full((), float(signals.requested), device=r.device)
-            shared = torch.stack([loss_sum / r.accum, stop])
-            if dist.is_initialized():
-                dist.all_reduce(shared)  # the logged loss averages the ranks; one signal stops all
-            lossf, signal, norm = torch.cat([shared / r.world, grad_norm.float()[None]]).tolist()
+            shared = torch.cat([loss_sum[None], loss_sum.new_tensor([labelled, signals.requested])])
+            if dist.is_initialized():  # one collective: all ranks' token losses; a signal stops all
+                dist.all_reduce(shared)
+            total, labelled, signal, norm = torch.cat([shared, grad_norm.double()[None]]).tolist()
+            lossf = total / max(labelled, 1)  # the step's mean over its labelled tokens
             flags.check_finite(lossf, norm, r.step + 1, cfg)  # before the weights change
             r.optimizer.step(lr)
             for p in params:

@@ -265,6 +265,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = gw.to(acc) if grad_w is None else grad_w.add_(gw)
                 grad_b = gb.to(acc) if grad_b is None else grad_b.add_(gb)
         if with_grad:  # the mean's 1/n applied once, in fp32 or wider (1/n is inexact in bf16)
+            if grad_w is None:  # no labelled row: the loss is 0, and so is its gradient
+                grad_w, grad_b = torch.zeros_like(weight, dtype=acc), torch.zeros_like(bias, dtype=acc)
             ctx.dtypes = weight.dtype, bias.dtype
             ctx.save_for_backward(grad_h.div_(n), grad_w.div_(n), grad_b.div_(n))
         return loss / n

@@ -13,7 +13,7 @@ import torch
 from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 
 import eval as ev
-from data import load_tokenizer, prepare, val_batches
+from data import count_windows, load_tokenizer, prepare, val_batches
 from machinery.cli import InputError, run
 from machinery.tasks import read_task
 from model import ModernBERT, ModernBERTConfig
@@ -522,3 +522,19 @@ def test_mlm_reports_trains_validation_losses(byte_models, texts, tmp_path, caps
     assert abs(r["val_mlm"] - math.log(320)) < 1.0  # a random model guesses near uniformly
     shown = capsys.readouterr().out
     assert f"validation MLM loss {r['val_mlm']:.4f} (15% masked), CLM loss {r['val_clm']:.4f}" in shown
+    assert "val.bin (4 windows of 32)" in shown
+
+
+def test_mlm_refuses_more_windows_than_val_bin_holds(byte_models, texts, tmp_path, capsys, monkeypatch):
+    """Asked for more windows than val.bin holds, `eval.py mlm` says so before it loads any weight, instead
+    of a loss over fewer windows printed as the number asked for."""
+    data_dir = tmp_path / "data"
+    prepare([texts], "bytes", data_dir, val_fraction=0.5)
+    held = count_windows(data_dir, "val", 32)
+    monkeypatch.setattr(ev, "load_weights", lambda *a: pytest.fail("loaded the weights before counting windows"))
+    with pytest.raises(SystemExit) as exit:
+        run(ev.main, ["mlm", str(byte_models[0]), f"--data={data_dir}", "--seq_len=32",
+                      f"--n_sequences={held + 1}", "--device=cpu"])
+    assert exit.value.code == 2
+    assert (f"error: {data_dir}/val.bin holds {held} windows of 32 tokens; --n_sequences={held + 1} asks for more"
+            in capsys.readouterr().err)

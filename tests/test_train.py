@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import data
@@ -143,6 +144,43 @@ def test_freeze_specs():
         freeze.parse_layers("first", 22)
 
 
+# --- losses ----------------------------------------------------------------------------------------
+
+
+def test_validation_losses_are_token_means_whatever_the_batch_size(corpus):
+    """The mean over every labelled token of the windows, as F.cross_entropy summed over one batch of them
+    all: the same in batches of 1, 7 (the last one short: 7 does not divide 10) or 64."""
+    meta = data.load_meta(corpus)
+    model = tiny_model(vocab_size=meta["vocab_size"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
+                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"]).eval()
+    T, n = 64, 10
+    by_size = {b: train.validation_losses(model, corpus, T, n, b, torch.device("cpu")) for b in (1, 7, 64)}
+    for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
+        (x, y), = data.val_batches(corpus, T, n, n, objective, rate)
+        with torch.no_grad():
+            logits, _ = model(x, causal=objective == "clm")  # every position's logits: not the sparse path
+        per_token = F.cross_entropy(logits.double().flatten(0, 1), y.flatten(), reduction="none").view(n, T)
+        labelled = y != -100
+        expected = (per_token.sum() / labelled.sum()).item()
+        for b, losses in by_size.items():
+            assert losses[f"val_{objective}"] == pytest.approx(expected, rel=1e-6), (objective, b)
+        # the test can fail: the batches of 7 hold different numbers of labelled tokens
+        means = [per_token[i:i + 7].sum() / labelled[i:i + 7].sum() for i in range(0, n, 7)]
+        assert abs(torch.stack(means).mean().item() - expected) > 1e-4 * expected, objective
+
+
+def test_a_batch_without_labels_adds_nothing_and_trains_nothing():
+    """A micro-batch where nothing is labelled: loss 0 and zero gradients (no NaN, no crash), and nothing
+    added to the logged loss's token sum or count."""
+    model = tiny_model()
+    x, y = torch.randint(0, 256, (2, 32)), torch.full((2, 32), -100)
+    _, loss = model(x, labels=y)
+    loss.backward()
+    assert loss.item() == 0 and all(p.grad.abs().sum() == 0 for p in model.parameters())
+    summed, n = train.token_sum(loss, y)
+    assert (summed.item(), n) == (0, 0)
+
+
 # --- runs ------------------------------------------------------------------------------------------
 
 
@@ -231,15 +269,28 @@ def torchrun(nproc, *args, cwd=None):
 
 
 def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_path):
-    """Same global batches: 2 gloo processes x accumulation 1 vs 1 process x accumulation 2. Also freezing under DDP."""
-    flags = [f"--data={corpus}", *SMALL, "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--freeze=1", "--weight_decay=0.1"]
-    out = torchrun(2, *flags, f"--out_dir={tmp_path / 'two'}")
+    """Same global batches: 2 gloo processes x accumulation 1 vs 1 process x accumulation 2: the same weights, and
+    the same logged and validation losses, means over tokens. Also freezing under DDP."""
+    common = [f"--data={corpus}", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--freeze=1", "--weight_decay=0.1"]
+    validate = ["--eval_interval=1", "--eval_sequences=3"]  # in micro-batches of 2: a full one and a short one
+    out = torchrun(2, *common, *small(*validate), f"--out_dir={tmp_path / 'two'}")
     assert "2 micro x 1 accumulation x 2 process(es)" in out
-    train.main([*flags, f"--out_dir={tmp_path / 'one'}"])
+    train.main([*common, *small(*validate), f"--out_dir={tmp_path / 'one'}"])
     two = load_file(tmp_path / "two" / "model.safetensors")
     one = load_file(tmp_path / "one" / "model.safetensors")
     for name in one:
         assert (one[name] - two[name]).abs().max().item() <= 1e-5, name
+
+    def losses(run):  # each step's logged loss, then its validation losses
+        records = [json.loads(line) for line in open(tmp_path / run / "log.jsonl")]
+        return [r[k] for r in records for k in ("loss", "val_mlm", "val_clm") if k in r]
+    assert len(losses("one")) == 4 * 3 and losses("one") == pytest.approx(losses("two"), rel=1e-5)
+    # One process in micro-batches of 4 (and validation in one batch of 3) trains another gradient, a mean of
+    # micro-batch means, but not at step 1: the warmup runs it at lr 0. So step 1's logged loss and validation, on
+    # the same weights and tokens, equal the 2 processes' (to the 5 decimals of the logged loss); a mean of
+    # micro-batch means would not.
+    train.main([*common, *small(*validate, "--micro_batch_size=0", "--max_steps=1"), f"--out_dir={tmp_path / 'four'}"])
+    assert losses("four") == pytest.approx(losses("two")[:3], rel=2e-6)
     torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
     init = ModernBERT(read_config(str(tmp_path / "one" / "config.json"))).state_dict()
     for name, tensor in two.items():

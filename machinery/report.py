@@ -1,0 +1,389 @@
+"""Markdown tables and figures of comparisons: CKA against its seed-noise band, fine-tuned arms with their
+intervals. A reader of the recipe may skip this file: the numbers come from eval.py (CKA, `compare`)."""
+import math
+from pathlib import Path
+
+from machinery.cli import InputError
+from machinery.curves import new_figure, save
+
+
+def number(x, spec):
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def span(low, high, spec, scale=1.0):
+    return "-" if low is None or high is None else f"[{low * scale:{spec}}, {high * scale:{spec}}]"
+
+
+# -----------------------------------------------------------------------------
+# CKA
+
+
+def cka_markdown(r):
+    """A CKA result as a markdown table, with what 1 - CKA is, the counts it rests on and the band rule."""
+    a, b = r["names"]
+    c, band, m = r.get("controls"), r.get("band"), r["replicates"]
+    runs = f"{m} replicate pair(s) ({a} and {b} trained alike but for the objective)"
+    lines = [f"1 - linear CKA of {a} vs {b} per layer: 0 when they represent the same texts alike up to rotation "
+             f"and scale, towards 1 when unrelated. {runs}; each the mean of {r['draws']} draws of "
+             f"{r['args']['n']} held-out texts" + (f"; {c['k']} seed control(s) (two runs of {a}'s method that "
+                                                   f"differ in their seeds)" if c else "") + ".", ""]
+    head = f"| layer | 1 - CKA, {a} vs {b}, mean over {m} | 95% interval over replicates | moves between draws (sd) |"
+    if not c:
+        lines += [head, "|---|---|---|---|"]
+        lines += [f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} "
+                  f"| {r['divergence_draw_sd'][i]:.1e} |" for i in r["layers"]]
+        return "\n".join(lines) + "\n"
+    lines += [head[:-1] + f"| seed controls, mean ± sd (k = {c['k']}) | bound | outside the band | ratio (95% interval) |",
+              "|---" * 8 + "|"]
+    for i in r["layers"]:
+        outside = band["outside"][i]
+        lines.append(
+            f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} | "
+            f"{r['divergence_draw_sd'][i]:.1e} | {c['mean'][i]:.3e} ± {number(c['sd'][i], '.1e')} | "
+            f"{number(band['bound'][i], '.3e')} | {'-' if outside is None else 'yes' if outside else 'no'} | "
+            f"{number(r['ratio']['mean'][i], '.2f')} {span(r['ratio']['low'][i], r['ratio']['high'][i], '.2f')} |")
+    note = ("" if band["bound"][0] is not None else
+            f" With {c['k']} control(s) there is no spread to bound: the rule needs at least 2.")
+    lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its interval over the {m} replicates (the "
+                  f"controls' mean taken as known); {band['rule']}.{note}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_cka(r, path):
+    """Left: 1 - CKA per layer, the pair's mean with its interval over replicates, each seed control and the band's
+    bound, on a linear axis from 0; right (with controls): the ratio with its interval, against 1 (no more than seed
+    noise). Layers outside the band are starred; the rule is written under the panels."""
+    c, band = r.get("controls"), r.get("band")
+    fig = new_figure((12 if c else 6.5, 5), 150)
+    if fig is None:
+        return None
+    a, b = r["names"]
+    layers, m = r["layers"], r["replicates"]
+    axes = fig.subplots(1, 2 if c else 1, squeeze=False)[0]
+    ax = axes[0]
+    low = [x if lo is None else x - lo for x, lo in zip(r["divergence"], r["divergence_low"])]
+    high = [0 if hi is None else hi - x for x, hi in zip(r["divergence"], r["divergence_high"])]
+    ax.errorbar(layers, r["divergence"], yerr=[low, high] if m > 1 else None, fmt="o-", color="C0", capsize=3,
+                label=f"{a} vs {b}, mean of {m}" + (" (bars: 95% interval over replicates)" if m > 1 else ""))
+    if c:
+        for j, each in enumerate(c["divergence"]):
+            ax.plot(layers, each, ".", color="grey", ms=5, label="each seed control" if j == 0 else None)
+        if band["bound"][0] is not None:
+            ax.plot(layers, band["bound"], "--", color="black", lw=1, label="the band's bound (one-sided 95%)")
+            outside = [i for i in layers if band["outside"][i]]
+            ax.plot(outside, [r["divergence"][i] for i in outside], "*", color="red", ms=12, ls="none",
+                    label=f"outside the band ({len(outside)} of {len(layers)} layers)")
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="layer (block output)", ylabel="1 - linear CKA", title="representation divergence")
+    if c:
+        ax = axes[1]
+        ratio = r["ratio"]
+        mean = [math.nan if x is None else x for x in ratio["mean"]]
+        err = [[0 if lo is None else x - lo for x, lo in zip(mean, ratio["low"])],
+               [0 if hi is None else hi - x for x, hi in zip(mean, ratio["high"])]]
+        ax.errorbar(layers, mean, yerr=err if m > 1 else None, fmt="o-", color="C0", capsize=3,
+                    label=f"{a} vs {b}" + (" (bars: 95% interval over replicates)" if m > 1 else ""))
+        ax.axhline(1, color="grey", ls=":", lw=1, label="the controls' mean (1)")
+        if band["bound"][0] is not None:
+            ax.plot(layers, [x / mu if mu else math.nan for x, mu in zip(band["bound"], c["mean"])], "--",
+                    color="black", lw=1, label="the band's bound")
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel="layer (block output)", ylabel="1 - CKA over the controls' mean",
+               title="divergence in seed-noise units (ratio)")
+    for ax in axes:
+        ax.set_xticks(layers)
+        ax.legend(fontsize=7)
+    note = "1 - CKA: 0 = the same representation up to rotation and scale, 1 = unrelated."
+    if band and band["bound"][0] is not None:
+        note += f" Outside the band: above the bound from {c['k']} controls (at most 5% of layers with no effect)."
+    fig.text(0.5, 0.01, note, ha="center", fontsize=7)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    try:
+        save(fig, path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    print(f"wrote {path}")
+    return Path(path).name
+
+
+# -----------------------------------------------------------------------------
+# Fine-tuned arms (eval.compare)
+
+
+def finetune_markdown(comparison, names=None, settings="setting"):
+    """eval.compare's result as one markdown table per task: scores x100, each arm's setting chosen on dev, its test
+    score and its difference to the reference with 95% intervals and the verdict, collapsed arms marked. names: what
+    to call each arm (default: its key); settings: what a setting is (e.g. "fine-tuning lr")."""
+    names = names or {}
+    lines = []
+    for task, t in comparison.items():
+        ref, metric, base = t["reference"], t["metric"], t["baseline"]
+        name = lambda arm: names.get(arm, arm)  # noqa: E731
+        halves = [row["difference"]["half"] for row in t["arms"].values()
+                  if "difference" in row and not row["difference"]["verdict"].startswith("not compared")]
+        runs = f"{t['replicates']} pretraining run(s) per arm x {len(t['seeds'])} fine-tuning seed(s)"
+        lines += [f"**{task}** ({metric} and accuracy x100; {runs}; majority baseline: {metric} dev "
+                  f"{100 * base['dev'][metric]:.2f}, test {100 * base['test'][metric]:.2f}, test accuracy "
+                  f"{100 * base['test']['accuracy']:.2f})" if "accuracy" in base["test"] else f"**{task}**", ""]
+        lines += [f"| arm | {settings} (chosen on dev) | runs | dev {metric} | test {metric} (95% interval) | "
+                  f"test accuracy | arm - {name(ref)} (95% interval) | verdict |", "|---" * 8 + "|"]
+        for arm, row in t["arms"].items():
+            test, d = row["test"], row.get("difference")
+            flag = f" **collapsed**: {row['collapsed']}" if row["collapsed"] else ""
+            diff = (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)}" if d else "(the reference)")
+            lines.append(f"| {name(arm)}{flag} | {row['setting']} | {row['runs']} | {100 * row['dev'][row['setting']]:.2f}"
+                         f" | {100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
+                         f"{100 * row['accuracy']:.2f} | {diff} | {d['verdict'] if d else '-'} |")
+        if halves:
+            lines += ["", f"Differences smaller than about {100 * max(halves):.1f} points (the widest half-interval "
+                          f"of the compared arms) cannot be told from zero here." + pretraining_note(t)]
+        elif len(t["arms"]) > 1:
+            lines += ["", "No arm could be compared with the reference here: collapsed models are not ranked."]
+        lines.append("")
+    return "\n".join(lines) + "\n" + INTERVAL_LEGEND + "\n"
+
+
+def pretraining_note(t):
+    return "" if t["replicates"] > 1 else (" One pretraining run per arm: these intervals count fine-tuning seeds "
+                                           "and test examples only, not pretraining noise.")
+
+
+INTERVAL_LEGEND = (
+    "How to read it: a run is one fine-tuning seed of one pretraining run; the setting is each arm's own, the one "
+    "with the best mean dev score, and only its test score is used. Intervals are 95%: the variance of the "
+    "replicates' means (the seeds' spread is inside it) plus a bootstrap of the test examples (2,000 draws, the "
+    "metric recomputed from the predictions), with a t quantile on Satterthwaite's degrees of freedom; differences "
+    "pair replicate r, seed s and every test example across arms. \"better\" or \"worse\" only when the interval "
+    "excludes 0; an arm is **collapsed** when its mean dev score is not above the majority baseline's or most of "
+    "its runs predict one label for everything, and it is then neither compared nor ranked.")
+
+
+# -----------------------------------------------------------------------------
+# A study's report (reproduce.py): its markdown and its figure, from the numbers reproduce.py gathers in `rep`.
+# spec: the study's title, method names, final models (the colours) and the models fine-tuned.
+
+
+def replicate_of(run):
+    """(method, replicate) of a run name such as clm-decay-r2; (run, None) for a run outside the replicates."""
+    head, _, tail = run.rpartition("-r")
+    return (head, int(tail)) if head and tail.isdigit() else (run, None)
+
+
+def study_markdown(rep, spec):
+    names, R = spec["names"], rep["replicates"]
+    lines = [f"# {spec['title']}, scale `{rep['scale']}`", ""]
+    if rep["scale"] == "smoke":
+        lines += ["**Smoke scale: a tiny model trained for seconds. These numbers test the pipeline only; they say "
+                  "nothing about the methods.**", ""]
+    lines += ["## What was run", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rep["what"]), ""]
+    lines += summary(rep, spec) + loss_tables(rep, spec)
+    for when in ("before", "after") if "cka" in rep else ():
+        lines += [f"## Layer-wise CKA {when} the decay", "", cka_markdown(rep["cka"][when]).strip(), "",
+                  f"![CKA {when} the decay](cka-{when}.png)", ""]
+    for title, comparison in rep["finetune"].items():
+        lines += [f"## Fine-tuning: {title}", "",
+                  finetune_markdown(comparison, names, settings="fine-tuning lr").strip(), ""]
+    lines += runs_table(rep, names) + settings_table(rep, names) + times(rep["time"])
+    lines += [f"![{f}]({f})" for f in rep["figures"]]
+    if R == 1:
+        lines.insert(4, "**One pretraining run per arm: no interval below counts pretraining noise.**\n")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rep, spec):
+    """The verdicts in one list: per comparison and model, its loss differences and fine-tuning differences."""
+    names, R = spec["names"], rep["replicates"]
+    lines = ["## The verdicts", "", f"Each difference is a model minus its reference with a 95% interval over {R} "
+             f"pretraining run(s) per arm (fine-tuning: also over seeds and test examples); \"better\", \"worse\", "
+             f"\"lower\" or \"higher\" only where the interval excludes 0. Losses in nats per token, scores x100.", ""]
+    for title, table in rep["losses"].items():
+        ref = next(m for m, row in table.items() if "difference" not in row["val_mlm"])
+        for m, row in table.items():
+            if m == ref:
+                continue
+            parts = [f"validation {what} loss {d['mean']:+.3f} {span(d['low'], d['high'], '+.3f')} ({d['verdict']})"
+                     for what, d in (("MLM", row["val_mlm"]["difference"]), ("CLM", row["val_clm"]["difference"]))]
+            for task, t in rep["finetune"].get(title, {}).items():
+                d = t["arms"][m]["difference"]
+                parts.append(f"{task} {t['metric']} {100 * d['mean']:+.1f} {span(d['low'], d['high'], '+.1f', 100)} "
+                             f"({d['verdict']})")
+            lines.append(f"- **{names.get(m, m)}** against {names.get(ref, ref)}: " + "; ".join(parts) + ".")
+    return lines + [""]
+
+
+def loss_tables(rep, spec):
+    names, R = spec["names"], rep["replicates"]
+    lines = ["## Validation losses", "", f"At the end of each run, on the same held-out windows for every run (MLM "
+             f"with 15% masked, CLM on every position; token-weighted means), mean over {R} replicate(s) with a 95% "
+             f"t interval; differences paired replicate by replicate (lower is better).", ""]
+    for title, table in rep["losses"].items():
+        lines += [f"**{title}**", "", "| model | runs | MLM loss (95% interval) | minus reference | verdict | "
+                  "CLM loss (95% interval) | minus reference | verdict |", "|---" * 8 + "|"]
+        for m, row in table.items():
+            cells = []
+            for key in ("val_mlm", "val_clm"):
+                x, d = row[key], row[key].get("difference")
+                cells += [f"{x['mean']:.4f} {span(x['low'], x['high'], '.4f')}",
+                          f"{d['mean']:+.4f} {span(d['low'], d['high'], '+.4f')}" if d else "(the reference)",
+                          d["verdict"] if d else "-"]
+            lines.append(f"| {names.get(m, m)} | {len(row['val_mlm']['each'])} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def chain(runs, name):
+    """The runs `name` continues, first to last, ending with `name` itself."""
+    names = [name]
+    while runs[names[-1]]["continues"]:
+        names.append(runs[names[-1]]["continues"])
+    return names[::-1]
+
+
+def runs_table(rep, names):
+    lines = ["## Appendix: every training run", "", "| run | method | objective, schedule | seed, data order | "
+             "continues | tokens (with the runs it continues) | validation MLM loss | validation CLM loss |",
+             "|---" * 8 + "|"]
+    for name, r in rep["runs"].items():
+        last = r["val"][-1] if r["val"] else [0, math.nan, math.nan]
+        total = sum(rep["runs"][n]["tokens"] for n in chain(rep["runs"], name))
+        lines.append(f"| {name} | {names.get(replicate_of(name)[0], '')} | {r['how']} | {r['seed']}, "
+                     f"{r['data_seed']} | {r['continues'] or '-'} | {r['tokens']:,}"
+                     + (f" ({total:,})" if r["continues"] else "") + f" | {last[1]:.4f} | {last[2]:.4f} |")
+    return lines + [""]
+
+
+def settings_table(rep, names):
+    """Dev and test means at every fine-tuning lr: the appendix, never a comparison (a model's own test score
+    counts only at the lr its dev score chose). A model whose dev mean is not above the baseline at some lr is
+    marked there, and its spread across lrs is not given (it would read as stability)."""
+    table = rep["per_setting"]
+    lrs = list(next(iter(next(iter(table.values())).values())))
+    if len(lrs) < 2:
+        return []
+    lines = ["## Appendix: every fine-tuning learning rate", "", "Mean dev / test score x100 over every run at each "
+             "lr; `*`: dev not above the majority baseline there (collapsed). The spread of test means across lrs is "
+             "given for models that learned at every lr. Not used for any comparison: these test scores were not "
+             "chosen on dev.", "", "| model | task | " + " | ".join(f"lr {lr}" for lr in lrs) + " | spread |",
+             "|---" * (len(lrs) + 3) + "|"]
+    for m, tasks in table.items():
+        for task, by_lr in tasks.items():
+            down = [x["dev"] <= x["dev_baseline"] for x in by_lr.values()]
+            cells = [f"{100 * x['dev']:.2f} / {100 * x['test']:.2f}{' *' if d else ''}"
+                     for x, d in zip(by_lr.values(), down)]
+            tests = [100 * x["test"] for x in by_lr.values()]
+            spread = "-" if any(down) else f"{max(tests) - min(tests):.2f}"
+            lines.append(f"| {names.get(m, m)} | {task} | " + " | ".join(cells) + f" | {spread} |")
+    return lines + [""]
+
+
+def times(t):
+    lines = ["## Time", "",
+             f"Wall time: {t['wall']:.0f} s (while at least one stage ran; pauses between invocations left out). "
+             f"Summed stage time: {t['summed']:.0f} s (each stage's own time, added up: stages ran side by side). "
+             f"An interrupted attempt's time is in neither.", "", "| stage | seconds |", "|---|---|"]
+    return lines + [f"| {n} | {v:.1f} |" for n, v in t["stages"].items()] + [""]
+
+
+# The figure: validation losses and the learning rate against tokens (top), fine-tuning (bottom).
+
+CURVES = [("val", 1, "validation MLM loss (15% masked)", "nats per token"),
+          ("val", 2, "validation CLM loss", "nats per token"), ("lr", 1, "learning rate", "learning rate")]
+
+
+def curve_segments(runs, models):
+    """Per model, its runs on one token axis (run, offset): the runs it continues come first, each drawn once, by
+    the first model that has it, models of one objective first (the CLM-only model draws the CLM runs that CLM 25%
+    and 50% then MLM branch off)."""
+    drawn, segments = set(), {}
+    one_objective = [m for m in models if len({runs[n]["objective"] for n in chain(runs, m)}) == 1]
+    for m in one_objective + [m for m in models if m not in one_objective]:
+        offset, parts = 0, []
+        for name in chain(runs, m):
+            if name not in drawn and (name == m or name not in models):
+                parts.append((name, offset))
+                drawn.add(name)
+            offset += runs[name]["tokens"]
+        segments[m] = parts
+    return {m: segments[m] for m in models}
+
+
+def study_figure(path, rep, spec, lrs):
+    """report.png, one colour per final model in every panel; None without matplotlib (said once)."""
+    tasks = list(next(iter(rep["finetune"].values()), {}))
+    fig = new_figure((18, 10), 100, layout="constrained")
+    if fig is None:
+        return None
+    axes = fig.subplots(2, max(len(CURVES), len(tasks), 1), squeeze=False)
+    colour = {m: f"C{i % 10}" for i, m in enumerate(spec["final"])}
+    handles = draw_curves(axes[0], rep, spec, colour) + draw_finetuning(axes[1], rep, spec, tasks, colour)
+    for ax in [*axes[0][len(CURVES):], *axes[1][len(tasks):]]:
+        ax.set_visible(False)
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9)
+    fig.suptitle(f"{spec['title']}, scale {rep['scale']}, {rep['replicates']} replicate(s) per arm"
+                 + (" (smoke: these numbers test the pipeline only)" if rep["scale"] == "smoke" else ""))
+    save(fig, path)
+    return Path(path).name
+
+
+def draw_curves(axes, rep, spec, colour):
+    """Every eval's validation losses and every step's lr of each final model along the runs it continues, one
+    line per model and replicate (replicate 1 solid, the others dashed), branching off the last point of a run
+    another model draws; a dotted line where a run continues another. Returns the legend's handles."""
+    from matplotlib.lines import Line2D
+    runs, switches = rep["runs"], set()
+    for r in range(1, rep["replicates"] + 1):
+        models = [f"{m}-r{r}" for m in spec["final"]]
+        for i, (model, parts) in enumerate(curve_segments(runs, models).items()):
+            switches |= {offset for _, offset in parts} - {0}
+            first, start = parts[0]
+            before = runs[first]["continues"]  # a run another model draws: this one branches off its last point
+            for ax, (part, column, _, _) in zip(axes, CURVES):
+                points = [(start, runs[before][part][-1][column])] if before and runs[before][part] else []
+                points += [(p[0] + offset, p[column]) for name, offset in parts for p in runs[name][part]]
+                style = dict(lw=1.2, ms=3, marker="o") if part == "val" else dict(lw=3.5 - 0.3 * i, marker=".")
+                if points:  # the lr lines nested: where runs share a schedule, every one shows
+                    ax.plot(*zip(*points), color=colour[spec["final"][i]], ls="-" if r == 1 else "--", **style)
+    for ax, (_, _, title, unit) in zip(axes, CURVES):
+        for x in switches:
+            ax.axvline(x, color="grey", ls=":", lw=1)
+        ax.set(title=f"{title} against tokens", ylabel=unit)
+        tokens_axis(ax)
+    handles = [Line2D([], [], color=colour[m], marker="o", ms=3, label=spec["names"][m]) for m in spec["final"]]
+    if rep["replicates"] > 1:
+        handles.append(Line2D([], [], color="grey", ls="--", label="replicates 2 and up (1: solid)"))
+    if switches:
+        handles.append(Line2D([], [], color="grey", ls=":", label="a run continues another here"))
+    return handles
+
+
+def tokens_axis(ax):
+    from machinery.curves import tokens_axis as axis
+    axis(ax)
+
+
+def draw_finetuning(axes, rep, spec, tasks, colour):
+    """Per task, each fine-tuned model's test score at its lr chosen on dev, with its 95% interval, the majority
+    baseline, the axis from 0; a collapsed model hollow. Returns the legend's handles."""
+    from matplotlib.lines import Line2D
+    rows = {}
+    for comparison in rep["finetune"].values():
+        for task, t in comparison.items():
+            rows.setdefault(task, {}).update({m: (row, t) for m, row in t["arms"].items()})
+    for ax, task in zip(axes, tasks):
+        models = [m for m in spec["finetuned"] if m in rows[task]]
+        for i, m in enumerate(models):
+            row, t = rows[task][m]
+            x = row["test"]
+            ax.errorbar(i, 100 * x["mean"], yerr=[[100 * (x["mean"] - x["low"])], [100 * (x["high"] - x["mean"])]],
+                        color=colour[m], marker="o", ms=7, capsize=4, ls="none",
+                        mfc="white" if row["collapsed"] else colour[m])
+        ax.axhline(100 * t["baseline"]["test"][t["metric"]], color="black", ls="--", lw=1)
+        ax.set_ylim(bottom=0)
+        ax.set_xticks(range(len(models)), [spec["names"][m] for m in models], rotation=30, ha="right", fontsize=8)
+        ax.set(title=f"fine-tuning: {task}", ylabel=f"test {t['metric']} x100")
+    R = rep["replicates"]
+    return [Line2D([], [], color="black", ls="--", label="majority baseline (test split)"),
+            Line2D([], [], color="grey", marker="o", ls="none", label=f"test score at the lr chosen on dev; bars: 95% "
+                   f"interval over {R} pretraining run(s), seeds and test examples"),
+            Line2D([], [], color="grey", marker="o", mfc="white", ls="none", label="collapsed (not compared)")]
