@@ -130,14 +130,14 @@ def run_series(run_dir):
 # The pictures: matplotlib's Agg backend through its object interface (no window, no pyplot state).
 
 
-def new_figure(figsize, dpi, layout=None):
+def new_figure(figsize, dpi, layout=None, what="loss picture"):
     """An empty figure drawn by Agg, or None (said once) where matplotlib is not installed."""
     try:
         import matplotlib  # noqa: F401  (imported first: a missing matplotlib fails here)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        say_once("matplotlib is not installed: no loss picture; pip install matplotlib")
+        say_once(f"matplotlib is not installed: no {what}; pip install matplotlib")
         return None
     fig = Figure(figsize=figsize, dpi=dpi, layout=layout)
     FigureCanvasAgg(fig)

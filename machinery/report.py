@@ -34,7 +34,8 @@ def cka_markdown(r):
         lines += [f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} "
                   f"| {r['divergence_draw_sd'][i]:.1e} |" for i in r["layers"]]
         return "\n".join(lines) + "\n"
-    lines += [head[:-1] + f"| seed controls, mean ± sd (k = {c['k']}) | bound | outside the band | ratio (95% interval) |",
+    lines += [head[:-1] + f"| seed controls, mean ± sd (k = {c['k']}) | bound | outside the band | ratio (95% "
+              f"interval) |",
               "|---" * 8 + "|"]
     for i in r["layers"]:
         outside = band["outside"][i]
@@ -55,7 +56,7 @@ def plot_cka(r, path):
     bound, on a linear axis from 0; right (with controls): the ratio with its interval, against 1 (no more than seed
     noise). Layers outside the band are starred; the rule is written under the panels."""
     c, band = r.get("controls"), r.get("band")
-    fig = new_figure((12 if c else 6.5, 5), 150)
+    fig = new_figure((12 if c else 6.5, 5), 150, what="CKA figure (the JSON has every number)")
     if fig is None:
         return None
     a, b = r["names"]
@@ -123,6 +124,8 @@ def finetune_markdown(comparison, names=None, settings="setting"):
         halves = [row["difference"]["half"] for row in t["arms"].values()
                   if "difference" in row and not row["difference"]["verdict"].startswith("not compared")]
         runs = f"{t['replicates']} pretraining run(s) per arm x {len(t['seeds'])} fine-tuning seed(s)"
+        if t.get("ner_mode"):  # how IOB2 tags are read as entities changes the score
+            runs += f"; entities read as seqeval's {NER_WORDS[t['ner_mode']]}"
         lines += [f"**{task}** ({metric} and accuracy x100; {runs}; majority baseline: {metric} dev "
                   f"{100 * base['dev'][metric]:.2f}, test {100 * base['test'][metric]:.2f}, test accuracy "
                   f"{100 * base['test']['accuracy']:.2f})" if "accuracy" in base["test"] else f"**{task}**", ""]
@@ -132,16 +135,22 @@ def finetune_markdown(comparison, names=None, settings="setting"):
             test, d = row["test"], row.get("difference")
             flag = f" **collapsed**: {row['collapsed']}" if row["collapsed"] else ""
             diff = (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)}" if d else "(the reference)")
-            lines.append(f"| {name(arm)}{flag} | {row['setting']} | {row['runs']} | {100 * row['dev'][row['setting']]:.2f}"
-                         f" | {100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
+            lines.append(f"| {name(arm)}{flag} | {row['setting']} | {row['runs']} | "
+                         f"{100 * row['dev'][row['setting']]:.2f} | "
+                         f"{100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
                          f"{100 * row['accuracy']:.2f} | {diff} | {d['verdict'] if d else '-'} |")
         if halves:
             lines += ["", f"Differences smaller than about {100 * max(halves):.1f} points (the widest half-interval "
                           f"of the compared arms) cannot be told from zero here." + pretraining_note(t)]
         elif len(t["arms"]) > 1:
-            lines += ["", "No arm could be compared with the reference here: collapsed models are not ranked."]
+            lines += ["", "No arm could be compared with the reference here: collapsed models are not ranked."
+                      + pretraining_note(t)]
         lines.append("")
     return "\n".join(lines) + "\n" + INTERVAL_LEGEND + "\n"
+
+
+NER_WORDS = {"default": "default mode (an I- tag that continues nothing starts an entity)",
+             "strict": "strict IOB2 mode (an I- tag that continues nothing is dropped)"}
 
 
 def pretraining_note(t):
@@ -311,7 +320,7 @@ def curve_segments(runs, models):
 def study_figure(path, rep, spec, lrs):
     """report.png, one colour per final model in every panel; None without matplotlib (said once)."""
     tasks = list(next(iter(rep["finetune"].values()), {}))
-    fig = new_figure((18, 10), 100, layout="constrained")
+    fig = new_figure((18, 10), 100, layout="constrained", what="report.png")
     if fig is None:
         return None
     axes = fig.subplots(2, max(len(CURVES), len(tasks), 1), squeeze=False)

@@ -101,61 +101,65 @@ def test_linear_cka_float64_survives_a_large_common_offset():
 
 def test_cka_command(byte_models, texts, tmp_path, capsys):
     a, b, c = byte_models
-    same = ev.cka(a, a, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "same.json", device="cpu")
-    assert same["layers"] == [0, 1, 2, 3]
-    assert max(abs(d) for d in same["divergence"]) <= 1e-10
-
     out = tmp_path / "pair.json"
     r = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=out, batch_size=4, device="cpu")
-    assert json.loads(out.read_text())["ratio"] == pytest.approx(r["ratio"])
+    assert r["layers"] == [0, 1, 2, 3] and r["replicates"] == 1 and r["draws"] == 2
+    assert json.loads(out.read_text())["ratio"] == r["ratio"]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "ratio" in capsys.readouterr().out
-    for d, cd, ratio in zip(r["divergence"], r["control_divergence"], r["ratio"]):
+    control = r["controls"]["divergence"][0]
+    for d, cd, ratio in zip(r["divergence"], control, r["ratio"]["mean"]):
         assert 1e-6 < d < 1 and 1e-6 < cd < 1 and ratio == pytest.approx(d / cd, rel=1e-12)
-    per_seed = np.mean([s["cka"] for s in r["per_seed"].values()], axis=0)
+    per_seed = np.mean([s["pairs"][0] for s in r["per_seed"].values()], axis=0)
     assert r["cka"] == pytest.approx(per_seed.tolist(), abs=1e-15)
+    # the control is the pair (a, c): what a run of a against c gives
+    ac = ev.cka(a, c, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "ac.json", device="cpu")
+    assert control == pytest.approx(ac["divergence"], abs=1e-12)
     # padding must not enter the mean: one text per batch (no padding) gives the same numbers
     alone = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
                    batch_size=1, device="cpu")
     assert alone["cka"] == pytest.approx(r["cka"], abs=1e-6)
+    same = ev.cka(a, a, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "same.json", device="cpu")
+    assert max(abs(d) for d in same["divergence"]) <= 1e-10  # a model against itself: a check
+    with pytest.raises(InputError, match="has the same folder as"):  # a control must be another run
+        ev.cka(a, b, texts, controls=[a], n=10, out=tmp_path / "x.json", device="cpu")
 
 
-def test_cka_several_controls(byte_models, texts, tmp_path, capsys, monkeypatch):
-    """Three controls: each control's divergence is what a one-control run gives; mean, std, min, max, ratio and
-    the band follow their definitions; the names reach the table; no matplotlib means no figure, not a failure."""
+def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
+    """Three replicate pairs (A_r, B_r): each pair's divergence is what a one-pair run gives, the seed controls are
+    every two replicates of A, and the band, ratio and intervals follow their definitions; the names reach the
+    table; no matplotlib means no figure, not a failure."""
+    import sys
     a, b, c = byte_models
-    controls = [c, make_model(tmp_path / "r1", 1, **BYTE_IDS), make_model(tmp_path / "r2", 2, **BYTE_IDS)]
+    A = [a, make_model(tmp_path / "a2", 1, **BYTE_IDS), make_model(tmp_path / "a3", 2, **BYTE_IDS)]
+    B = [b, c, make_model(tmp_path / "b3", 3, **BYTE_IDS)]
     kw = dict(n=8, seeds=(1, 2), max_len=32, device="cpu")
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    r = ev.cka(a, b, texts, controls=controls, names=["CLM", "MLM"], out=tmp_path / "three.json", **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+        r = ev.cka(",".join(map(str, A)), B, texts, names=["MLM", "CLM"], out=tmp_path / "three.json", **kw)
     shown = capsys.readouterr().out
-    assert "CLM vs MLM per layer" in shown and "3 seed control(s)" in shown and "matplotlib is not installed" in shown
+    assert "MLM vs CLM per layer" in shown and "3 seed control(s)" in shown
     assert shown.count("| yes |") + shown.count("| no |") == 4 and ev.BAND_RULE in shown
     assert not (tmp_path / "three.png").exists()
-    each = np.array(r["controls"]["divergence"])  # (controls, layers)
-    for k, control in enumerate(controls):
-        alone = ev.cka(a, b, texts, controls=[control], out=tmp_path / f"one{k}.json", **kw)
-        assert each[k] == pytest.approx(alone["control_divergence"], abs=1e-12)
-    assert r["control_divergence"] == pytest.approx(each.mean(0).tolist(), abs=1e-15)
-    assert r["controls"]["std"] == pytest.approx(each.std(0, ddof=1).tolist(), abs=1e-15)
-    assert r["controls"]["max"] == pytest.approx(each.max(0).tolist()) and r["controls"]["min"] == each.min(0).tolist()
-    for layer, d in enumerate(r["divergence"]):
-        assert r["ratio"][layer] == pytest.approx(d / each[:, layer].mean(), rel=1e-12)
-        assert r["outside_band"][layer] == bool(d > each[:, layer].max())
-    assert len(r["per_seed"]) == 2 and all(len(s["control_cka"]) == 3 for s in r["per_seed"].values())
-    saved = json.loads((tmp_path / "three.json").read_text())
-    assert saved["names"] == ["CLM", "MLM"] and saved["outside_band"] == r["outside_band"]
-
-
-def test_control_band_definition():
-    """One rule, the one the figure draws: outside means above the largest control (the band's top)."""
-    assert ev.control_band(0.5, [0.1, 0.2])["outside"] and not ev.control_band(0.15, [0.1, 0.2])["outside"]
-    assert ev.control_band(1.05, [0.1, 0.2, 1.0])["outside"]  # above the max however wide the spread
-    assert not ev.control_band(1.0, [0.1, 0.2, 1.0])["outside"]  # on the band's edge is inside
-    band = ev.control_band(0.4, [0.1, 0.11, 0.12])
-    assert band["ratio"] == pytest.approx(0.4 / 0.11)
-    assert band["std"] == pytest.approx(np.std([0.1, 0.11, 0.12], ddof=1))
-    assert ev.control_band(0.4, [0.0, 1e-15])["ratio"] is None  # controls that do not diverge: no ratio
+    one = lambda x, y, name: np.array(ev.cka(x, y, texts, out=tmp_path / name, **kw)["divergence"])  # noqa: E731
+    each = np.array(r["divergence_replicates"])
+    for i in range(3):
+        assert each[i] == pytest.approx(one(A[i], B[i], f"pair{i}.json"), abs=1e-12)
+    controls = np.array(r["controls"]["divergence"])
+    assert r["args"]["control_pairs"] == [[str(A[0]), str(A[1])], [str(A[0]), str(A[2])], [str(A[1]), str(A[2])]]
+    for row, (i, j) in zip(controls, [(0, 1), (0, 2), (1, 2)]):
+        assert row == pytest.approx(one(A[i], A[j], f"c{i}{j}.json"), abs=1e-12)
+    pairs = 1 - np.array([s["pairs"] for s in r["per_seed"].values()])  # (draws, replicates, layers)
+    for layer in r["layers"]:
+        expected = ev.band(each[:, layer], controls[:, layer], pairs.mean(1)[:, layer].std(ddof=1), 2)
+        assert r["band"]["bound"][layer] == pytest.approx(expected["bound"])
+        assert r["band"]["outside"][layer] == expected["outside"]
+        mean, low, high = ev.t_interval(each[:, layer] / controls[:, layer].mean())
+        assert (r["ratio"]["mean"][layer], r["ratio"]["low"][layer]) == pytest.approx((mean, low))
+        assert (r["divergence_low"][layer], r["divergence_high"][layer]) == pytest.approx(
+            ev.t_interval(each[:, layer])[1:])
+    with pytest.raises(InputError, match="3 replicates of model A but 2 of model B"):
+        ev.cka(A, B[:2], texts, out=tmp_path / "x.json", **kw)
 
 
 def test_cka_checks_its_input(byte_models, texts, tmp_path):
@@ -172,37 +176,49 @@ def test_cka_checks_its_input(byte_models, texts, tmp_path):
     # a folder of the older layout, whose top-level state.json records the tokenizer, still loads
     (tmp_path / "bare" / "state.json").write_text(json.dumps({"tokenizer": "bytes"}))
     assert ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")["layers"] == [0, 1, 2, 3]
+    same = write(tmp_path / "same.jsonl", '{"text": "the cell"}\n' * 6)  # CKA of identical texts is undefined
+    with pytest.raises(InputError, match="same features in some layer: CKA is undefined"):
+        ev.cka(a, b, same, n=4, out=tmp_path / "x.json", device="cpu")
+    assert not (tmp_path / "x.json").exists() or "NaN" not in (tmp_path / "x.json").read_text()
 
 
 def test_cka_markdown_and_figure_state_one_band_rule(tmp_path, monkeypatch):
-    """The table says yes exactly where the figure draws a star, the rule is written in both, and every band
-    and line of the figure has a legend entry; the axes are labelled."""
+    """The table says yes exactly where the figure draws a star, the rule is written in both, the bound is drawn
+    and in the legend; the axes are labelled and start at 0."""
     pytest.importorskip("matplotlib")
+    from machinery import report
     from matplotlib.figure import Figure
     drawn = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    controls = np.array([[0.010, 0.020, 0.5, 0.03], [0.012, 0.010, 0.4, 0.05]])  # (controls, layers)
-    divergence = [0.011, 0.300, 0.6, 0.04]  # inside, outside, outside, inside
-    bands = [ev.control_band(d, controls[:, i]) for i, d in enumerate(divergence)]
-    r = {"names": ["MLM", "CLM"], "layers": [0, 1, 2, 3], "cka": [1 - d for d in divergence],
-         "divergence": divergence, "divergence_std": [0.001] * 4, "per_seed": {"42": {}},
-         "controls": {"divergence": controls.tolist(), **{k: [b[k] for b in bands] for k in ("std", "min", "max")}},
-         "control_divergence": [b["mean"] for b in bands], "ratio": [b["ratio"] for b in bands],
-         "outside_band": [b["outside"] for b in bands], "args": {"n": 10}}
-    text = ev.cka_markdown(r)
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig) or open(path, "wb").close())
+    controls = np.array([[0.010, 0.020, 0.5, 0.03], [0.012, 0.010, 0.4, 0.05], [0.011, 0.015, 0.45, 0.04]])
+    each = np.array([[0.011, 0.300, 0.9, 0.04], [0.012, 0.310, 0.95, 0.05]])  # inside, outside, outside, inside
+    r = {"names": ["MLM", "CLM"], "layers": [0, 1, 2, 3], "replicates": 2, "draws": 3,
+         "divergence": each.mean(0).tolist(), "divergence_replicates": each.tolist(), "per_seed": {},
+         "divergence_draw_sd": [0.001] * 4, "args": {"n": 10}}
+    spread = [ev.t_interval(each[:, i]) for i in range(4)]
+    r["divergence_low"], r["divergence_high"] = [s[1] for s in spread], [s[2] for s in spread]
+    bands = [ev.band(each[:, i], controls[:, i], 0.001, 3) for i in range(4)]
+    ratios = [ev.t_interval(each[:, i] / b["mean"]) for i, b in enumerate(bands)]
+    r["controls"] = {"divergence": controls.tolist(), "k": 3, "mean": [b["mean"] for b in bands],
+                     "sd": [b["sd"] for b in bands]}
+    r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands], "rule": ev.BAND_RULE}
+    r["ratio"] = {k: [x[i] for x in ratios] for i, k in enumerate(("mean", "low", "high"))}
+    assert r["band"]["outside"] == [False, True, True, False]
+    text = report.cka_markdown(r)
     rows = [line for line in text.splitlines() if re.match(r"\| \d", line)]
-    assert [row.endswith("| yes |") for row in rows] == [False, True, True, False] and ev.BAND_RULE in text
-    ev.plot_cka(r, tmp_path / "cka.png")
+    assert [" | yes | " in row for row in rows] == [False, True, True, False] and ev.BAND_RULE in text
+    report.plot_cka(r, tmp_path / "cka.png")
     fig, = drawn
     left, right = fig.axes
     for ax in (left, right):
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert any("the band" in t for t in legend) and "outside the band (2 of 4 layers)" in legend
-        assert "seed controls' mean" in legend and ax.get_xlabel().startswith("layer")
-        stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
-        assert len(stars) == 1 and list(stars[0].get_xdata()) == [1, 2]
+        assert any("bound" in t for t in legend) and ax.get_xlabel().startswith("layer")
+        assert ax.get_ylim()[0] == 0  # no axis that starts above zero
+    stars = [line for line in left.get_lines() if line.get_marker() == "*"]
+    assert len(stars) == 1 and list(stars[0].get_xdata()) == [1, 2]
+    assert "outside the band (2 of 4 layers)" in [t.get_text() for t in left.get_legend().get_texts()]
     assert left.get_ylabel() == "1 - linear CKA" and "ratio" in right.get_title()
-    assert any(ev.BAND_RULE[1:] in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
+    assert any("at most 5%" in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
 
 
 def test_cka_cli(byte_models, texts, tmp_path):
@@ -213,7 +229,11 @@ def test_cka_cli(byte_models, texts, tmp_path):
                          capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "ratio" in run.stdout and out.is_file() and out.with_suffix(".png").is_file()
-    assert len(json.loads(out.read_text())["ratio"]) == 4
+    assert len(json.loads(out.read_text())["ratio"]["mean"]) == 4
+    one = subprocess.run([sys.executable, str(ROOT / "eval.py"), "cka", str(a), str(b), f"--texts={texts}", "--n=1"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert one.returncode == 2 and "expected at least 2, got 1" in one.stderr
+
 
 
 # ----------------------------------------------------------------------------
@@ -262,6 +282,48 @@ def test_entities_and_entity_f1_match_seqeval():
             assert ev.entities(sentence) == get_entities(sentence)
         assert ev.entity_f1(true, pred) == pytest.approx(f1_score(true, pred), abs=1e-12)
     assert ev.entity_f1([["O", "O"]], [["O", "O"]]) == 0.0  # no entities anywhere: seqeval says 0 too
+
+
+def test_strict_iob2_entities_match_seqeval_strict_mode():
+    from seqeval.metrics import f1_score
+    from seqeval.scheme import IOB2
+    rng = np.random.default_rng(4)
+    tags = ["O", "O", "B-X", "I-X", "B-Y", "I-Y"]
+    for _ in range(30):
+        lengths = rng.integers(1, 12, size=15)
+        true = [list(rng.choice(tags, size=n)) for n in lengths]
+        pred = [list(rng.choice(tags, size=n)) for n in lengths]
+        want = f1_score(true, pred, mode="strict", scheme=IOB2)
+        assert ev.entity_f1(true, pred, strict=True) == pytest.approx(want, abs=1e-12)
+        assert ev.NER_MODES["strict"].score(true, pred, None)["entity_f1"] == pytest.approx(want, abs=1e-12)
+    assert ev.entities(["I-X", "I-X", "O", "B-X", "I-X"], strict=True) == [("X", 3, 4)]  # the I-s start nothing
+
+
+def test_every_kind_scores_as_its_oracles(tmp_path):
+    """F1 and accuracy of each kind through its counts: scikit-learn on the labels (flattened words for token
+    tasks; subset accuracy for multi-label), seqeval on the entities."""
+    from seqeval.metrics import f1_score as entity_f1
+    from sklearn.metrics import accuracy_score, f1_score
+    rng = np.random.default_rng(5)
+    tags = ["O", "O", "B-X", "I-X", "B-Y"]
+    gold = [list(rng.choice(tags, size=n)) for n in rng.integers(1, 10, 20)]
+    pred = [list(rng.choice(tags[:4], size=len(g))) for g in gold]
+    got, flat = ev.KINDS["token"].score(gold, pred, None), (sum(gold, []), sum(pred, []))
+    assert got["entity_f1"] == pytest.approx(entity_f1(gold, pred), abs=1e-12)
+    assert got["accuracy"] == pytest.approx(accuracy_score(*flat), abs=1e-12)
+    for average in ("macro", "micro"):
+        assert got[f"{average}_f1"] == pytest.approx(f1_score(*flat, average=average, zero_division=0), abs=1e-12)
+    true, guess = list(rng.choice(list("abcd"), 50)), list(rng.choice(list("abce"), 50))
+    got = ev.KINDS["single"].score(true, guess, None)
+    assert got["accuracy"] == pytest.approx(accuracy_score(true, guess))
+    assert got["macro_f1"] == pytest.approx(f1_score(true, guess, average="macro", zero_division=0))
+    labels = ["x", "y", "z", "w"]  # "w": a column nobody has or predicts
+    sets = [[sorted({x for x in "xyz" if rng.random() < 0.4}) for _ in range(40)] for _ in range(2)]
+    got = ev.KINDS["multi"].score(sets[0], sets[1], labels)
+    indicator = [[[x in s for x in labels] for s in part] for part in sets]
+    assert got["accuracy"] == pytest.approx(accuracy_score(*map(np.array, indicator)))
+    assert got["macro_f1"] == pytest.approx(f1_score(*map(np.array, indicator), average="macro", zero_division=0))
+    assert ev.KINDS["token"].constant([["O", "O"], ["O"]]) and not ev.KINDS["single"].constant(["a", "b"])
 
 
 # ----------------------------------------------------------------------------
@@ -313,8 +375,9 @@ def test_finetune_ner_beats_the_majority_baseline(modernbert_model, tmp_path):
     assert r["baseline"]["test"]["entity_f1"] == 0.0  # all "O"
     assert r["mean"]["entity_f1"] > 0.1  # 0.26-0.32 seen over three model inits and two run seeds
     run = r["seeds"]["42"]
-    assert set(run) == {"dev", "test", "best_epoch", "seconds"} and run["best_epoch"] in (1, 2)
-    assert set(r["std"]) == {"entity_f1", "macro_f1", "micro_f1"}
+    assert set(run) == {"dev", "test", "best_epoch", "seconds", "predictions"} and run["best_epoch"] in (1, 2)
+    assert (out.parent / run["predictions"]).is_file() and r["ner_mode"] == "default"
+    assert set(r["std"]) == {"entity_f1", "macro_f1", "micro_f1", "accuracy"} and set(r["baseline"]) == {"dev", "test"}
 
 
 def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
@@ -333,8 +396,9 @@ def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
     copy = tmp_path / "again.json"
     copy.write_text(out.read_text())
     text = ev.table([out, copy])
-    assert "| chemprot (macro_f1) | seq | 2 |" in text and "| pubmedqa (macro_f1) | again | 2 |" in text
-    assert text.count("| +0.00 ± 0.00 (2 seeds) | 0 / 0 / 2 |") == 2  # the same numbers: every seed ties
+    assert "**chemprot** (macro_f1" in text and "**pubmedqa** (macro_f1" in text
+    assert text.count("| +0.00 [+0.00, +0.00] |") == 2  # the same predictions: no difference at all
+    assert "One pretraining run per arm" in text
 
 
 def multilabel_task(root):
@@ -373,7 +437,7 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     assert [p["gold"] for p in saved["predictions"]] == [row["label"] for row in test]
     assert [p["line"] for p in saved["predictions"]] == list(range(1, 33))
     assert all(set(p["pred"]) <= {"cat", "dog", "owl"} for p in saved["predictions"])
-    assert saved["result"] == first["tasks"]["animals"]["seeds"]["1"]
+    assert {**saved["result"], "predictions": f"a.seeds/{files[0].name}"} == first["tasks"]["animals"]["seeds"]["1"]
     stamps = [f.stat().st_mtime_ns for f in files]
     capsys.readouterr()
     again = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
@@ -392,50 +456,12 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     (task / "test.jsonl").write_text("\n".join(lines) + "\n")  # back as it was: the first files count again
     assert ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw) == first
 
-    # paired difference: a second model on seeds 2 and 3; only seed 2 is shared
+    # a second model on seeds 2 and 3: compared on the seed both ran
     ev.finetune(byte_models[1], [task], seeds=(2, 3), out=tmp_path / "b.json", **kw)
     b = json.loads((tmp_path / "b.json").read_text())["tasks"]["animals"]
-    d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["animals"]
+    d = ev.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}})["animals"]
     expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
-    assert d["seeds"] == ["2"] and d["difference"] == [pytest.approx(expected)] and d["std"] == 0.0
-    assert f"{100 * expected:+.2f} ± 0.00 (1 seeds)" in ev.table([tmp_path / "a.json", tmp_path / "b.json"])
-
-
-def results(scores, baseline, metric="macro_f1"):
-    """The part of a results file of `finetune` that the tables read: one task 't', {seed: test score}."""
-    seeds = {str(seed): {"test": {metric: float(v)}} for seed, v in scores.items()}
-    return {"tasks": {"t": {"primary": metric, "seeds": seeds, "baseline": {"test": {metric: baseline}}}}}
-
-
-def test_paired_difference_over_several_seeds(tmp_path):
-    rng = np.random.default_rng(0)
-    a, b = rng.random(5), rng.random(5)
-    for name, values in (("a", a), ("b", b)):
-        write(tmp_path / f"{name}.json", json.dumps(results(dict(zip(range(42, 47), values)), 0.1)))
-    d = ev.paired_difference(tmp_path / "a.json", tmp_path / "b.json")["t"]
-    assert d["mean"] == pytest.approx(np.mean(b - a)) and d["std"] == pytest.approx(np.std(b - a, ddof=1))
-    assert d["wins"] == [int((b > a).sum()), int((b < a).sum()), 0]
-
-
-def test_finetune_markdown_shows_baselines_seeds_and_paired_wins():
-    mlm = results({42: 0.30, 43: 0.20, 44: 0.25}, 0.27)  # mean 0.25: not above its baseline
-    clm = results({42: 0.40, 43: 0.10, 44: 0.35, 45: 0.90}, 0.27)  # seeds 42-44 are shared with MLM
-    text = ev.finetune_markdown({"MLM": mlm, "CLM": clm})
-    table, legend = text.strip().split("\n\n")
-    rows = {line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| t (macro_f1)")}
-    assert rows["MLM"] == ("| t (macro_f1) | MLM | 3 | 27.00 | 25.00 ± 5.00 **not above the baseline** | "
-                           "(the reference) | - |")
-    diff = np.array([0.40, 0.10, 0.35]) - [0.30, 0.20, 0.25]
-    clm_scores = [0.40, 0.10, 0.35, 0.90]
-    assert rows["CLM"] == (f"| t (macro_f1) | CLM | 4 | 27.00 | {100 * np.mean(clm_scores):.2f} ± "
-                           f"{100 * np.std(clm_scores, ddof=1):.2f} | {100 * diff.mean():+.2f} ± "
-                           f"{100 * diff.std(ddof=1):.2f} (3 seeds) | 2 / 1 / 0 |")
-    assert "majority baseline" in legend and len(legend.splitlines()) == 1
-    assert "arm - MLM, paired" in table
-    flipped = ev.finetune_markdown({"MLM": mlm, "CLM": clm}, baseline_arm="CLM")
-    assert f"| {-100 * diff.mean():+.2f} ± {100 * diff.std(ddof=1):.2f} (3 seeds) | 1 / 2 / 0 |" in flipped
-    with pytest.raises(InputError, match="baseline arm 'BERT' is not among"):
-        ev.finetune_markdown({"MLM": mlm}, baseline_arm="BERT")
+    assert d["seeds"] == ["2"] and d["arms"]["b"]["difference"]["mean"] == pytest.approx(expected)
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("cka {model} {model} --texts={texts} --batch_size=0", "--batch_size: expected at least 1, got 0"),
     ("cka {model} {model} --texts={texts} --names=MLM", "--names: expected 2 distinct non-empty names"),
     ("cka {model} {model} --texts={root}/none.jsonl", "none.jsonl: cannot read it (No such file"),
-    ("cka {model} {model} --texts={root}/latin1.jsonl --n=1", "latin1.jsonl:2: not valid UTF-8"),
+    ("cka {model} {model} --texts={root}/latin1.jsonl --n=2", "latin1.jsonl:2: not valid UTF-8"),
     ("cka {model} {missing} --texts={texts}", "no-such-run: no such model directory"),
     ("cka {model} {model} --control={garbage} --texts={texts}", "garbage/config.json: not valid JSON"),
     ("finetune {model} --task={task} --epochs=0", "--epochs: expected at least 1, got 0"),
@@ -178,7 +178,7 @@ def nan_model(inputs):
 REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trusted
     ("finetune {nan} --task={task}", "nan: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
     ("cka {model} {nan} --texts={texts} --n=2", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
-    ("mlm {nan} --data={root}/data --seq_len=8", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
+    ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan: weight model.layers.1.mlp.Wo.weight holds"),
     ("finetune {model} --task={task} --lr=1e30 --epochs=1 --max_len=16 --seeds=1 --out={root}/div.json",
      "the fine-tuning diverged: try a lower --lr than 1e+30"),
     ("finetune {root}/badweights --task={task}", "model.safetensors: not a readable safetensors file"),

@@ -102,7 +102,7 @@ def detour(tmp_path_factory):
     corpus, tasks = local_inputs(tmp)
     out = tmp / "exp"
     args = ["--scale=smoke", f"--out={out}", "--jobs=2", f"--corpus={corpus}", "--tasks", *map(str, tasks)]
-    text, status = interrupted(args, out, "mlm", signal.SIGKILL, group=True)
+    text, status = interrupted(args, out, "mlm-r1", signal.SIGKILL, group=True)
     assert status == -signal.SIGKILL, "the smoke run finished before it could be interrupted"
     deadline = time.time() + 10
     while stage_processes(out) and time.time() < deadline:  # the kernel ends them as their driver dies
@@ -120,7 +120,7 @@ def biphasic_stopped(tmp_path_factory):
     need(CORPUS)
     out = tmp_path_factory.mktemp("biphasic") / "exp"
     args = ["--study=biphasic", "--scale=smoke", f"--out={out}", "--jobs=2"]
-    text, status = interrupted(args, out, "clm25", signal.SIGTERM)
+    text, status = interrupted(args, out, "clm25-r1", signal.SIGTERM)
     return out, args, text, status, stage_processes(out)
 
 
@@ -132,28 +132,35 @@ def biphasic(biphasic_stopped):
     return out, args, finished(reproduce(*args))
 
 
-@pytest.mark.slow  # the detour's smoke run: about a minute
+@pytest.mark.slow  # the detour's smoke run: about two minutes
 def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     out, _, _, second, _ = detour
-    assert "[skip]   mlm: finished" in second  # what the killed invocation finished is not run again
+    assert "[skip]   mlm-r1: finished" in second  # what the killed invocation finished is not run again
     report = json.loads((out / "report.json").read_text())
-    assert set(report["cka"]) == {"before", "after"} and all(len(r["layers"]) == 4 for r in report["cka"].values())
+    assert report["replicates"] == 2
+    assert set(report["cka"]) == {"before", "after"}
+    assert all(len(r["layers"]) == 4 and r["replicates"] == 2 and r["controls"]["k"] == 1
+               for r in report["cka"].values())  # two MLM replicates: one seed control, too few for a band
     final = ["mlm-decay", "clm-decay", "clm-freeze-low-decay", "clm-freeze-mid-decay", "clm-decay-freeze-low"]
-    assert list(report["finetune"]) == final
-    for arm in final:
-        (tasks,) = report["finetune"][arm].values()  # one fine-tuning lr
-        assert set(tasks) == {"ncbi_disease", "chemprot", "pubmedqa"}
-        assert all(len(t["seeds"]) == 5 and 0 <= t["baseline"] <= 1 for t in tasks.values())
-    assert {"start", "clm", "mlm", "mlm-seed18", "clm-decay", "mlm-decay"} <= set(report["runs"])
-    assert all(len(report["runs"][arm]["val"]) >= 5 for arm in ("clm", "mlm"))  # every eval: 10 steps, one per 2
+    (comparison,) = report["finetune"].values()
+    assert set(comparison) == {"ncbi_disease", "chemprot", "pubmedqa"}
+    for t in comparison.values():
+        assert list(t["arms"]) == final and t["replicates"] == 2 and t["seeds"] == ["42", "43", "44"]
+        assert all(row["runs"] == 6 and row["setting"] == "0.001" for row in t["arms"].values())
+    assert list(report["losses"]["the decayed models"]) == final
+    runs = set(report["runs"])
+    assert {"start", "clm-r1", "clm-r2", "mlm-r1", "mlm-r2", "clm-decay-r2", "mlm-decay-r1"} <= runs
+    assert [report["runs"][f"mlm-r{r}"]["seed"] for r in (1, 2)] == [17, 18]
+    assert [report["runs"][f"clm-decay-r{r}"]["data_seed"] for r in (1, 2)] == [42, 43]  # a hand-off inherits
+    assert all(len(report["runs"][run]["val"]) >= 5 for run in ("clm-r1", "mlm-r2"))  # every eval: 10 steps
     numbers = finite_numbers(without_times(report))
     assert len(numbers) > 300 and all(math.isfinite(x) for x in numbers)
     text = (out / "report.md").read_text()
     lines = text.splitlines()
     assert lines[2].startswith("**Smoke scale") and "test the pipeline only" in lines[2]
-    assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text and "5 seeds (42, 43, 44, 45, 46)" in text
-    assert "Layer-wise CKA before the decay" in text and "outside the band" in text
-    assert text.count("majority baseline") >= 2 and "Wall time:" in text and "Summed stage time:" in text
+    assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text and "3 seeds (42, 43, 44)" in text
+    assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "the rule needs at least 2" in text
+    assert text.count("majority baseline") >= 3 and "Wall time:" in text and "Summed stage time:" in text
     assert report["time"]["wall"] <= report["time"]["summed"] + 1e-6  # stages ran side by side
 
 
@@ -161,16 +168,17 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
 def test_a_third_invocation_skips_every_finished_stage(detour):
     out, _, _, _, third = detour
     assert "[run]" not in third and "[resume]" not in third
-    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 26
+    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 34
 
 
 @pytest.mark.slow  # needs the detour's finished smoke run: about a minute
 @pytest.mark.parametrize("change, cause", [
     (["--scale=cpu"], "start (its command)"),
     (["--gpus=2"], "start (its command)"),
-    (["--study=biphasic"], "clm (its command), mlm (its command), clm25 (not in that command)"),
+    (["--study=biphasic"], "clm-r1 (its command), mlm-r1 (its command)"),
+    (["--replicates=3"], "clm-r3 (not in OUT)"),
     (["corpus"], "data-corpus (the content of"),
-    (["task"], "finetune-mlm-decay-lr0.001 (the content of"),
+    (["task"], "finetune-mlm-decay-r1-lr0.001 (the content of"),
 ])
 def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(detour, change, cause):
     """A changed scale, flag, study, corpus content or task file: refused (with --dry_run and without), one
@@ -201,7 +209,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
 def test_the_same_command_dry_run_lists_every_stage_finished(detour):
     out, args, _, _, _ = detour
     text = finished(reproduce(*args, "--dry_run"))
-    assert text.splitlines()[-1] == f"26 stages (26 finished in {out}); inputs checked; nothing was run (--dry_run)"
+    assert text.splitlines()[-1] == f"34 stages (34 finished in {out}); inputs checked; nothing was run (--dry_run)"
 
 
 def test_sigterm_to_the_driver_ends_every_stage(biphasic_stopped):
@@ -215,7 +223,7 @@ def test_sigterm_to_the_driver_ends_every_stage(biphasic_stopped):
 @pytest.mark.slow
 def test_a_rerun_after_sigterm_finishes(biphasic):
     out, _, second = biphasic
-    assert "[skip]   clm25: finished" in second and (out / "report.md").exists()
+    assert "[skip]   clm25-r1: finished" in second and (out / "report.md").exists()
 
 
 @pytest.mark.slow
@@ -224,7 +232,9 @@ def test_biphasic_arms_share_steps_and_one_wsd_schedule_across_the_switch(biphas
     warmup, one decay at the end of the budget), read from their logs."""
     out = biphasic[0]
     report = json.loads((out / "report.json").read_text())
-    runs = report["runs"]
+    runs = {name[:-3]: run for name, run in report["runs"].items() if name.endswith("-r2")}  # replicate 2
+    for run in runs.values():
+        run["continues"] = run["continues"][:-3]
     B = runs["mlm"]["tokens"]
     assert B == 16 * 1024
     alone = {t: lr for t, lr in runs["mlm"]["lr"]}
@@ -246,26 +256,34 @@ def test_biphasic_arms_share_steps_and_one_wsd_schedule_across_the_switch(biphas
     assert E == 12 * 1024 == runs["cpt-from-clm"]["tokens"] == runs["decoder-clm"]["tokens"]
     assert runs["decoder-detour"]["tokens"] + runs["decoder-detour-clm"]["tokens"] == E
     assert runs["clm25-mlm"]["how"] == "mlm 40% masked, wsd" and runs["clm25"]["how"] == "clm, wsd"
+    assert {run["seed"] for run in runs.values()} == {18} and {run["data_seed"] for run in runs.values()} == {43}
 
 
 @pytest.mark.slow
-def test_biphasic_report_has_every_model_at_three_lrs_with_baselines(biphasic):
+def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendix(biphasic):
     out = biphasic[0]
     report = json.loads((out / "report.json").read_text())
-    final = ["mlm", "clm25-mlm", "clm50-mlm", "clm", "cpt-from-mlm", "cpt-from-clm", "decoder-detour-clm",
-             "decoder-clm"]
-    assert list(report["finetune"]) == final
-    assert all(list(report["finetune"][arm]) == ["0.0003", "0.001", "0.003"] for arm in final)
-    assert all(len(t["seeds"]) == 2 for arm in final for lr in report["finetune"][arm].values() for t in lr.values())
+    encoders = ["mlm", "clm25-mlm", "clm50-mlm", "clm", "cpt-from-mlm", "cpt-from-clm"]
+    assert [m for c in report["finetune"].values() for m in next(iter(c.values()))["arms"]] == encoders
+    for comparison in report["finetune"].values():
+        for t in comparison.values():
+            for row in t["arms"].values():  # the chosen lr is the one with the best mean dev score
+                assert row["setting"] == max(row["dev"], key=row["dev"].get) and row["runs"] == 4
+    assert list(report["per_setting"]) == encoders
+    assert all(list(by_lr) == ["0.001", "0.003"] for tasks in report["per_setting"].values() for by_lr in tasks.values())
+    assert set(report["losses"]) == {"from scratch at one budget B", "continued pretraining, E more tokens of MLM",
+                                     "the decoder control, E more tokens for the CLM-only model"}
+    control = report["losses"]["the decoder control, E more tokens for the CLM-only model"]
+    assert control["decoder-detour-clm"]["val_clm"]["difference"]["verdict"] in ("higher", "lower",
+                                                                                 "no detectable difference")
     val = {name: len(run["val"]) for name, run in report["runs"].items()}  # every eval: 16 steps, one per 2
-    assert val["mlm"] >= 8 and val["clm25"] + val["clm50"] + val["clm"] >= 8
+    assert val["mlm-r1"] >= 8 and val["clm25-r1"] + val["clm50-r1"] + val["clm-r1"] >= 8
     text = (out / "report.md").read_text()
     assert text.startswith("# CLM then MLM against MLM alone, from scratch at one budget, scale `smoke`")
     assert "test the pipeline only" in text and "B = 16,384 (16 steps)" in text
-    tables = text.count("| task (metric) | arm | seeds | majority baseline |")
-    assert tables == 9  # three comparisons at three lrs
-    assert "## Stability across fine-tuning learning rates" in text and "| majority baseline |" in text
-    assert "## Decoder control" in text and "Wall time:" in text and "Summed stage time:" in text
+    assert text.count("| arm | fine-tuning lr (chosen on dev) |") == 6  # two comparisons, three tasks each
+    assert "## Appendix: every fine-tuning learning rate" in text and "Not used for any comparison" in text
+    assert "## The verdicts" in text and "Wall time:" in text and "Summed stage time:" in text
     assert (out / "report.png").stat().st_size > 10_000
 
 
@@ -280,8 +298,8 @@ def test_an_interrupted_run_gives_the_same_report(which, request, tmp_path):
     assert without_times(report) == without_times(json.loads((out / "report.json").read_text()))
 
 
-@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 23), ("biphasic", "paper", 36),
-                                                 ("detour", "cpu", 27), ("biphasic", "cpu", 37)])
+@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 45), ("biphasic", "paper", 88),
+                                                 ("detour", "cpu", 49), ("biphasic", "cpu", 71)])
 def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale, count):
     need(CORPUS)
     out = tmp_path / "exp"
@@ -291,19 +309,24 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale,
     assert not out.exists()
     command = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines if ": python" in line}
     assert len(command) == count
+    assert "--seed=19 --data_seed=44" in command["mlm-r3"] and "--seed=17 --data_seed=42" in command["mlm-r1"]
     if study == "detour":
-        assert "--nproc_per_node=4" in command["clm"] and f"--recipe={scale}" in command["clm"]
-        assert scale != "paper" or "--init_from=answerdotai/ModernBERT-base" in command["clm"]
+        assert "--nproc_per_node=4" in command["clm-r1"] and f"--recipe={scale}" in command["clm-r1"]
+        assert scale != "paper" or "--init_from=answerdotai/ModernBERT-base" in command["clm-r1"]
+        runs = [f"{out / 'runs' / 'mlm-decay'}-r{r}" for r in (1, 2, 3)]
+        assert f"cka {','.join(runs)} " in command["cka-after"]  # three replicates: three seed controls
+        assert sum(name.startswith("finetune-") for name in command) == 15
         return
     step = {"paper": 8192 * 384, "cpu": 256 * 32}[scale]
-    B, E = {"paper": (12_000, 12_000), "cpu": (200, 60)}[scale]
-    assert f"--tokens={B // 4 * 3 * step} --schedule_tokens={B * step}" in command["clm25-mlm"]
-    assert f"--init_from={out / 'runs' / 'clm25'} --out_dir" in command["clm25-mlm"]  # a hand-off
-    assert "--phase=mlm --mask_rate=0.4 --schedule=wsd" in command["clm25-mlm"]
-    assert f"--tokens={E * step} --schedule_tokens={E * step} --init_from={out / 'runs' / 'clm'} --weights_only" \
-        in command["cpt-from-clm"]
-    assert scale != "paper" or f"--decay_tokens={2000 * step}" in command["mlm"]
-    assert sum(name.startswith("finetune-") for name in command) == 24
+    B, E = {"paper": (12_000, 12_000), "cpu": (80, 24)}[scale]
+    assert f"--tokens={B // 4 * 3 * step} --schedule_tokens={B * step}" in command["clm25-mlm-r1"]
+    assert f"--init_from={out / 'runs' / 'clm25-r1'} --out_dir" in command["clm25-mlm-r1"]  # a hand-off
+    assert "--phase=mlm --mask_rate=0.4 --schedule=wsd" in command["clm25-mlm-r1"]
+    assert f"--tokens={E * step} --schedule_tokens={E * step} --init_from={out / 'runs' / 'clm-r2'} " \
+        f"--weights_only --data={out / 'data' / 'corpus'} --seed=18 --data_seed=43" in command["cpt-from-clm-r2"]
+    assert scale != "paper" or f"--decay_tokens={2000 * step}" in command["mlm-r1"]
+    assert scale != "cpu" or f"--warmup_tokens={8 * step}" in command["mlm-r1"]
+    assert sum(name.startswith("finetune-") for name in command) == {"paper": 54, "cpu": 36}[scale]
 
 
 def test_bad_flags_are_one_line_each(tmp_path):
@@ -322,6 +345,7 @@ def test_bad_flags_are_one_line_each(tmp_path):
         (["--scale=smoke", out, "--jobs=two"], "expected an integer"),
         (["--scale=smoke", out, "--gpus=-4"], "--gpus: expected at least 1, got -4"),
         (["--scale=smoke", out, "--gpus=0"], "--gpus: expected at least 1, got 0"),
+        (["--scale=smoke", out, "--replicates=0"], "--replicates: expected at least 1, got 0"),
         (["--scale=smoke", out, "--start=/nonexistent", "--dry_run"], "--start=/nonexistent: not found"),
         (["--scale=smoke", out, f"--start={tmp_path / 'empty'}"], "not a model directory (no config.json"),
         (["--scale=smoke", "--study=biphasic", out, f"--start={tmp_path / 'empty'}"], "trains from scratch"),
