@@ -394,6 +394,9 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
     pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
     if n > len(pool):
         raise InputError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
+    if n < 3 or len(set(pool)) < 3:
+        raise InputError(f"{texts}: {len(set(pool))} distinct texts, n={n}; CKA needs at least 3 "
+                         f"(of 2 texts it is 1 whatever the models)")
     paths = [*a_runs, *b_runs, *controls]
     infos = distinct_models(paths, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
     toks = [model_tokenizer(info, tokenizer) for info in infos]
@@ -1105,10 +1108,11 @@ def positive_float(text):
     return value
 
 
-def at_least_two(text):
-    """argparse type: an integer of 2 or more (CKA of one text is undefined)."""
-    if positive_int(text) < 2:
-        raise argparse.ArgumentTypeError(f"expected at least 2, got {text}")
+def at_least_three(text):
+    """argparse type: an integer of 3 or more (linear CKA of two texts is 1 whatever the models)."""
+    if positive_int(text) < 3:
+        raise argparse.ArgumentTypeError(f"expected at least 3 (CKA of 2 texts is 1 whatever the "
+                                         f"models), got {text}")
     return int(text)
 
 
@@ -1167,7 +1171,7 @@ def cka_flags(c):
     c.add_argument("--names", type=lambda text: name_list(text, 2), default=None,
                    help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM")
     c.add_argument("--texts", required=True, help="JSONL of held-out texts: {'text': ...} a line")
-    c.add_argument("--n", type=at_least_two, default=500, help="texts drawn per sampling seed")
+    c.add_argument("--n", type=at_least_three, default=500, help="texts drawn per sampling seed")
     c.add_argument("--seeds", type=seed_list, default=(42, 43, 44),
                    help="sampling seeds: a draw of --n texts each")
     c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")

@@ -479,6 +479,33 @@ def check_inputs(a):
         problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name)")
     if problems:
         raise InputError("; ".join(problems))
+    check_contents(a)
+
+
+def check_contents(a):
+    """What the stages will read, read now by the code they read it with: every task folder (a task the
+    fine-tuning would refuse hours later is refused here) and a local --start (its config, weights and
+    tokenizer)."""
+    from machinery.hf import read_config
+    from machinery.tasks import read_task
+    from machinery.tokenizer import load_tokenizer
+    problems = []
+    for t in a.tasks:
+        try:
+            read_task(t)
+        except InputError as e:
+            problems.append(f"--tasks {e}")
+    if a.start is not None and Path(a.start).is_dir():
+        start = Path(a.start)
+        try:
+            read_config(start / "config.json")
+            load_tokenizer(str(start / "tokenizer.json"))
+            if not (start / "model.safetensors").is_file():
+                raise InputError(f"{start}: no model.safetensors (a model directory holds its weights)")
+        except InputError as e:
+            problems.append(f"--start {e}")
+    if problems:
+        raise InputError("; ".join(problems))
 
 
 def main(argv=None):

@@ -177,8 +177,10 @@ def test_cka_checks_its_input(byte_models, texts, tmp_path):
     (tmp_path / "bare" / "state.json").write_text(json.dumps({"tokenizer": "bytes"}))
     assert ev.cka(a, tmp_path / "bare", texts, n=5, out=tmp_path / "x.json", device="cpu")["layers"] == [0, 1, 2, 3]
     same = write(tmp_path / "same.jsonl", '{"text": "the cell"}\n' * 6)  # CKA of identical texts is undefined
-    with pytest.raises(InputError, match="same features in some layer: CKA is undefined"):
+    with pytest.raises(InputError, match="1 distinct texts, n=4; CKA needs at least 3"):
         ev.cka(a, b, same, n=4, out=tmp_path / "x.json", device="cpu")
+    rows = np.random.default_rng(0).normal(size=(5, 3))  # features equal for every text: undefined, not 1
+    assert math.isnan(ev.linear_cka(np.ones((5, 3)) + 1e-17 * rows, rows))
     assert not (tmp_path / "x.json").exists() or "NaN" not in (tmp_path / "x.json").read_text()
 
 
@@ -232,7 +234,7 @@ def test_cka_cli(byte_models, texts, tmp_path):
     assert len(json.loads(out.read_text())["ratio"]["mean"]) == 4
     one = subprocess.run([sys.executable, str(ROOT / "eval.py"), "cka", str(a), str(b), f"--texts={texts}", "--n=1"],
                          capture_output=True, text=True, cwd=tmp_path)
-    assert one.returncode == 2 and "expected at least 2, got 1" in one.stderr
+    assert one.returncode == 2 and "expected at least 3 (CKA of 2 texts is 1 whatever the models), got 1" in one.stderr
 
 
 

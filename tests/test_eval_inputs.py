@@ -40,7 +40,7 @@ def inputs(tmp_path_factory):
     (garbage / "config.json").write_text("{not json")
     (make_model(root / "noweights", 0, **BYTE_IDS) / "model.safetensors").unlink()
     make_model(root / "mismatch", 0)  # ModernBERT's special ids, the byte tokenizer's files
-    write(root / "texts.jsonl", '{"text": "a b c"}\n' * 4)
+    write(root / "texts.jsonl", "".join(f'{{"text": "a b c {w}"}}\n' for w in "defg"))
     (root / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     write(root / "surrogate.jsonl", '{"text": "ok"}\n{"text": "lone \\ud800 half"}\n')
     write(root / "results.json", "[]")
@@ -72,7 +72,7 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("cka {model} {model} --texts={texts} --batch_size=0", "--batch_size: expected at least 1, got 0"),
     ("cka {model} {model} --texts={texts} --names=MLM", "--names: expected 2 distinct non-empty names"),
     ("cka {model} {model} --texts={root}/none.jsonl", "none.jsonl: cannot read it (No such file"),
-    ("cka {model} {model} --texts={root}/latin1.jsonl --n=2", "latin1.jsonl:2: not valid UTF-8"),
+    ("cka {model} {model} --texts={root}/latin1.jsonl --n=3", "latin1.jsonl:2: not valid UTF-8"),
     ("cka {model} {missing} --texts={texts}", "no-such-run: no such model directory"),
     ("cka {model} {model} --control={garbage} --texts={texts}", "garbage/config.json: not valid JSON"),
     ("finetune {model} --task={task} --epochs=0", "--epochs: expected at least 1, got 0"),
@@ -146,7 +146,7 @@ def run_main(argv, inputs):
     if argv[0] in ("cka", "finetune", "mlm") and not any(a.startswith("--device") for a in argv):
         argv.append("--device=cpu")
     if argv[0] == "cka" and not any(a.startswith("--n=") for a in argv):
-        argv.append("--n=2")  # the texts file holds 4
+        argv.append("--n=3")  # the texts file holds 4
     with pytest.raises(SystemExit) as exit:
         run(ev.main, argv)
     return exit.value.code
@@ -177,7 +177,7 @@ def nan_model(inputs):
 
 REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trusted
     ("finetune {nan} --task={task}", "nan: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
-    ("cka {model} {nan} --texts={texts} --n=2", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
+    ("cka {model} {nan} --texts={texts} --n=3", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
     ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan: weight model.layers.1.mlp.Wo.weight holds"),
     ("finetune {model} --task={task} --lr=1e30 --epochs=1 --max_len=16 --seeds=1 --out={root}/div.json",
      "the fine-tuning diverged: try a lower --lr than 1e+30"),

@@ -337,6 +337,14 @@ def test_bad_flags_are_one_line_each(tmp_path):
     (tmp_path / "corpus.csv").write_text("x")
     (tmp_path / "badplan").mkdir()
     (tmp_path / "badplan" / "plan.json").write_text("{")
+    onelabel = tmp_path / "onelabel"  # a task the fine-tuning would refuse: nothing to learn
+    onelabel.mkdir()
+    for split in ("train", "dev", "test"):
+        (onelabel / f"{split}.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": "x"}\n')
+    bert = tmp_path / "bert"  # a start folder of another model type
+    bert.mkdir()
+    (bert / "config.json").write_text('{"model_type": "bert"}')
+    (bert / "tokenizer.json").write_text("{}")
     out = f"--out={tmp_path / 'exp'}"
     cases = [
         (["--scale=huge", out], "invalid choice: 'huge'"),
@@ -354,6 +362,8 @@ def test_bad_flags_are_one_line_each(tmp_path):
         (["--scale=smoke", out, f"--corpus={tmp_path / 'corpus.csv'}"], "expected a .jsonl, .txt or .parquet"),
         (["--scale=smoke", out, "--corpus", CORPUS, CORPUS], "given twice"),
         (["--scale=smoke", out, "--tasks", tmp_path / "empty"], "expected a folder with train, dev and test"),
+        (["--scale=smoke", out, "--tasks", onelabel, "--dry_run"], "1 distinct label(s) ['x']: nothing to learn"),
+        (["--scale=smoke", out, f"--start={bert}", "--dry_run"], "model_type is 'bert', expected 'modernbert'"),
         (["--scale=smoke", f"--out={tmp_path / 'file'}", "--dry_run"], "a file; expected a directory"),
         (["--scale=smoke", f"--out={tmp_path / 'notes'}"], "holds no plan.json"),
         (["--scale=smoke", f"--out={tmp_path / 'badplan'}"], "not valid JSON"),
