@@ -271,6 +271,42 @@ def biphasic_plan(s, out, a):
 STUDIES = {"detour": (DETOUR, detour_plan), "biphasic": (BIPHASIC, biphasic_plan)}
 
 
+# -----------------------------------------------------------------------------
+# What a plan costs: an estimate for the dry run.
+
+MFU = 0.3  # the paper's 4 x H100 runs, about 200k tokens/s per GPU, are 27-30% of the bf16 peak by model.py's count
+
+
+def flag(command, name, default=None):
+    """The value of --name=VALUE in a stage's command, or default."""
+    return next((str(c).split("=", 1)[1] for c in command if str(c).startswith(f"--{name}=")), default)
+
+
+def gpu_hours(stages, s, start):
+    """Per training stage, an estimate of its H100 GPU-hours: its tokens x model.py's training FLOPs per token (at
+    the recipe's sequence length, causal for CLM, the head on masked positions only for MLM) at MFU of the H100's
+    bf16 peak. A decay without --tokens runs 10% of the run it continues, as train.py does."""
+    import torch
+    from machinery.hf import read_config
+    from machinery.progress import PEAK_FLOPS
+    from model import ModernBERT, ModernBERTConfig
+    from train import PHASES, RECIPES, Config
+    recipe = {**vars(Config()), **RECIPES[s["recipe"]]}
+    local = start is not None and (Path(start) / "config.json").is_file()
+    config = read_config(Path(start) / "config.json") if local else ModernBERTConfig.from_preset(recipe["preset"])
+    with torch.device("meta"):  # the FLOP count needs the shapes only
+        model = ModernBERT(config)
+    tokens, hours = {}, {}
+    for st in (st for st in stages if st.run_dir):
+        phase = PHASES[flag(st.command, "phase")]
+        tokens[st.name] = int(flag(st.command, "tokens", 0)) or tokens[st.continues] // 10
+        causal = phase["objective"] == "clm"
+        rate = 1.0 if causal else float(flag(st.command, "mask_rate", phase.get("mask_rate", recipe["mask_rate"])))
+        per_token = model.flops_per_token(recipe["seq_len"], causal, rate)
+        hours[st.name] = tokens[st.name] * per_token / (MFU * PEAK_FLOPS["H100"]) / 3600
+    return hours
+
+
 def start_tokenizer(start):
     """The tokenizer a --start checkpoint was trained with: its tokenizer.json, or its hub id."""
     local = Path(start) / "tokenizer.json"
@@ -525,8 +561,12 @@ def main(argv=None):
     check_out(out, plan)
     if a.dry_run:
         finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
+        hours = gpu_hours(stages, s, a.start or s.get("start"))
         for st in stages:
-            print(f"{st.name}: {shown(st.command)}" + ("   (finished in OUT)" if st.name in finished else ""))
+            cost = f"   (~{hours[st.name]:.3g} H100 GPU-hours)" if st.name in hours else ""
+            print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
+        print(f"the trainings: ~{sum(hours.values()):.3g} H100 GPU-hours in all (an estimate: model FLOPs at "
+              f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")
         if a.start and not Path(a.start).exists():
             print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
         print(f"{len(stages)} stages ({len(finished)} finished in {out}); inputs checked; nothing was run (--dry_run)")

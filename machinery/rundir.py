@@ -6,7 +6,8 @@ A run directory OUT, as train.py writes it:
 
     OUT/run.json                    {"written_by": "train.py", "run_id": <32 hex>, "created": <time>}
     OUT/config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json
-                                    the latest checkpoint's Hugging Face files: OUT loads with from_pretrained
+                                    copies of the latest checkpoint's Hugging Face files: OUT loads with
+                                    from_pretrained; train.py never reads them, and the next save replaces them
     OUT/log.jsonl                   one JSON record per line (train.py writes it)
     OUT/checkpoints/step-00000050/  .checkpoint (the run_id), the Hugging Face files, optimizer.safetensors,
                                     state.json (written last; lists the other files' sizes)
@@ -16,10 +17,14 @@ Ownership is by marker, never by name alone: a folder under checkpoints/ is this
 folder with a name a save gives and a .checkpoint file holding this run's id, so a user's backup
 (`cp -r run run.old`), another run's checkpoint, a link, a folder the user renamed or put inside OUT is never
 read as ours nor deleted. A save writes checkpoints/.tmp-step-N-<pid> (every file fsynced,
-state.json last), hard-links (or, without links, copies) the Hugging Face files beside their top-level
-names, then renames: each top-level file into place, the folder to checkpoints/step-N. At every instant a
-complete checkpoint of this run exists: any folder of ours whose state.json is there counts, under whichever
-of those names.
+state.json last), copies the Hugging Face files beside their top-level names, then renames: each top-level
+file into place, the folder to checkpoints/step-N. At every instant a complete checkpoint of this run exists:
+any folder of ours whose state.json is there counts, under whichever of those names.
+
+A top-level file is a copy, never a second name of a checkpoint's file: whatever a user does to OUT's files
+(an edit in place, save_pretrained over them, a deletion) leaves every checkpoint as it was saved. The copy
+goes through copy_file_range, which on a file system that shares blocks copy-on-write (btrfs, xfs, bcachefs)
+writes no byte twice; elsewhere it costs the model's size once more per save.
 """
 import base64
 import binascii
@@ -162,34 +167,15 @@ class RunDir:
 
     def lock(self):
         """An exclusive lock on OUT/.lock, held until unlock() or the process ends."""
-        if self._lock is not None:
-            return
-        lock_path = os.path.join(self.path, ".lock")
-        while True:
-            try:
-                handle = open(lock_path, "a+")
-            except OSError as e:
-                raise InputError(f"{lock_path}: cannot create the lock ({e.strerror})") from None
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                handle.close()
-                raise InputError(f"{self.path}: another train.py is writing this run (it holds {lock_path})") \
-                    from None
-            # the previous holder may have removed the file after we opened it: hold the one that is there
-            try:
-                if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
-                    self._lock = handle
-                    return
-            except FileNotFoundError:
-                pass
-            handle.close()
+        if self._lock is None:
+            lock_path = os.path.join(self.path, ".lock")
+            self._lock = hold_lock(lock_path, f"{self.path}: another train.py is writing this run (it holds "
+                                              f"{lock_path})")
 
     def unlock(self):
         """At a clean end: remove OUT/.lock and release it."""
         if self._lock is not None:
-            _remove_file(os.path.join(self.path, ".lock"))
-            self._lock.close()
+            release_lock(self._lock)
             self._lock = None
 
     # ---- the log --------------------------------------------------------------------------------------------
@@ -250,7 +236,7 @@ class RunDir:
 
     def save(self, model, optimizer_tensors, state, tokenizer, keep):
         """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files
-        its own (hard links), keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it
+        copies of its own, keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it
         was and raises one InputError. Returns the checkpoint's folder."""
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
@@ -269,10 +255,7 @@ class RunDir:
             for name in published:
                 staged[name] = os.path.join(self.path, f"{name}.tmp-{self.run_id}")
                 _remove_file(staged[name])  # left by a save that was killed
-                try:  # the checkpoint's own bytes: a large model is not written a second time
-                    os.link(os.path.join(tmp, name), staged[name])
-                except OSError:  # a file system without hard links
-                    shutil.copyfile(os.path.join(tmp, name), staged[name])
+                _copy(os.path.join(tmp, name), staged[name])
                 _fsync(staged[name])
             for name in published:
                 os.replace(staged[name], os.path.join(self.path, name))
@@ -372,6 +355,34 @@ class RunDir:
             print(f"warning: could not remove {folder} ({e.strerror})", file=sys.stderr)
 
 
+def hold_lock(lock_path, busy):
+    """An exclusive lock on the file lock_path (made if missing), held until release_lock(handle) or the
+    process ends (a kill releases it too); InputError `busy` when another process holds it."""
+    while True:
+        try:
+            handle = open(lock_path, "a+")
+        except OSError as e:
+            raise InputError(f"{lock_path}: cannot create the lock ({e.strerror})") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise InputError(busy) from None
+        # the previous holder may have removed the file after we opened it: hold the one that is there
+        try:
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
+                return handle
+        except FileNotFoundError:
+            pass
+        handle.close()
+
+
+def release_lock(handle):
+    """Remove the lock file, then release it: a process waiting on the old file tries again."""
+    _remove_file(handle.name)
+    handle.close()
+
+
 def latest_state(path, phases=None, fields=None):
     """The newest complete checkpoint's state of the run in `path` (with "dir"), None if `path` is no run of
     ours or holds no checkpoint yet."""
@@ -398,6 +409,29 @@ def _size(path):
         return os.path.getsize(path)
     except OSError:
         return None
+
+
+# what copy_file_range answers where the file systems or the kernel cannot do it (the bytes then go through us)
+NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+
+
+def _copy(src, dst):
+    """dst: a new file with src's bytes. copy_file_range lets the file system share the blocks copy-on-write (a
+    reflink on btrfs and xfs: nothing written twice) or copy them inside the kernel."""
+    with open(src, "rb") as source, open(dst, "wb") as target:
+        size, done = os.fstat(source.fileno()).st_size, 0
+        try:
+            while done < size and hasattr(os, "copy_file_range"):  # Linux has it; elsewhere the bytes go through us
+                n = os.copy_file_range(source.fileno(), target.fileno(), size - done)
+                if n == 0:  # some file systems give up part way: the rest goes through us
+                    break
+                done += n
+        except OSError as e:
+            if e.errno not in NO_COPY_FILE_RANGE:
+                raise
+        source.seek(done)
+        target.seek(done)
+        shutil.copyfileobj(source, target, 1 << 24)
 
 
 def _fsync(path):

@@ -310,6 +310,12 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale,
     command = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines if ": python" in line}
     assert len(command) == count
     assert "--seed=19 --data_seed=44" in command["mlm-r3"] and "--seed=17 --data_seed=42" in command["mlm-r1"]
+    hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if "GPU-hours)" in c}
+    assert set(hours) == {name for name in command if not name.startswith(("finetune-", "cka-", "data-", "tok"))}
+    total = float(lines[-2].split("~", 1)[1].split()[0])
+    assert lines[-2].startswith("the trainings: ~") and total == pytest.approx(sum(hours.values()), rel=0.01)
+    if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
+        assert hours["mlm-r1"] == pytest.approx(12.7, abs=0.5)
     if study == "detour":
         assert "--nproc_per_node=4" in command["clm-r1"] and f"--recipe={scale}" in command["clm-r1"]
         assert scale != "paper" or "--init_from=answerdotai/ModernBERT-base" in command["clm-r1"]

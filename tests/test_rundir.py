@@ -2,6 +2,7 @@
 real full disk, and every field of state.json is checked before it is trusted."""
 import base64
 import copy
+import errno
 import functools
 import hashlib
 import json
@@ -169,6 +170,7 @@ def test_keep_prunes_to_the_newest(tmp_path, keep, steps, kept):
     assert sorted(os.listdir(run.checkpoints)) == [f"step-{s:08d}" for s in kept]
     for name in TOP_FILES:  # OUT's Hugging Face files are the newest checkpoint's
         assert digest(f"{run.path}/{name}") == digest(f"{run.checkpoints}/step-{steps:08d}/{name}"), name
+    assert shared_inodes(run.path) == []
 
 
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "2", True])
@@ -187,6 +189,120 @@ def test_saving_a_step_again_replaces_only_our_folder(tmp_path):
     assert os.listdir(run.checkpoints) == ["step-00000001"]
     weights = load_file(os.path.join(run.checkpoints, "step-00000001", "model.safetensors"))
     assert all(torch.equal(weights[n], p) for n, p in model.state_dict().items() if n in weights)
+
+
+def shared_inodes(path):
+    """The files under path that have another name anywhere (a hard link): none, in a run directory."""
+    return [os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path) for name in names
+            if os.stat(os.path.join(root, name)).st_nlink != 1]
+
+
+# ---- OUT's Hugging Face files are the user's: nothing done to them reaches a checkpoint ----------------------
+
+SMOKE = ["--phase=mlm", "--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2",
+         "--compile=false", "--eval_interval=1000", "--eval_sequences=2", "--log_interval=1000", "--save_interval=1",
+         "--warmup_tokens=1024", "--lr=1e-3", "--grad_clip=0", "--threads=1", f"--tokens={4 * 4 * 128}"]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """(a run of 4 tiny steps, the same run stopped after its checkpoint at step 2): train.py on a byte corpus."""
+    import train
+    tmp = tmp_path_factory.mktemp("user")
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "some words here " * (i % 7 + 3)}) + "\n"
+                              for i in range(300)))
+    data.prepare([corpus], "bytes", tmp / "data", val_fraction=0.1, workers=1)
+    for name, extra in (("straight", []), ("stopped", ["--max_steps=2"])):
+        train.main([f"--data={tmp / 'data'}", f"--out_dir={tmp / name}", *SMOKE, *extra])
+    return tmp / "straight", tmp / "stopped"
+
+
+def edit_in_place(out):
+    """As an editor that keeps hard links writes (vim does): the same inode, rewritten."""
+    for name in TOP_FILES:
+        with open(out / name, "r+b") as f:
+            f.seek(os.path.getsize(out / name) // 2)
+            f.write(b"edited")  # the model: same size, other bytes
+    with open(out / "config.json", "r+") as f:
+        config = json.load(f)
+        f.seek(0)
+        json.dump({**config, "note": "fine-tuned by hand"}, f, indent=4)
+        f.truncate()
+
+
+def replace(out):
+    for name in TOP_FILES:
+        (out / f"{name}.new").write_text("{}")
+        os.replace(out / f"{name}.new", out / name)
+
+
+def delete(out):
+    for name in TOP_FILES:
+        os.remove(out / name)
+
+
+def ours_save_pretrained(out):
+    from model import ModernBERT
+    model = ModernBERT.from_pretrained(str(out))
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(str(out))
+
+
+def transformers_save_pretrained(out):
+    """What a Hugging Face user does: load the run, change it, save it back over the same folder (in place)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForMaskedLM.from_pretrained(str(out))
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(str(out))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(str(out))
+
+
+@pytest.mark.parametrize("action", [edit_in_place, replace, delete, ours_save_pretrained,
+                                    transformers_save_pretrained], ids=lambda f: f.__name__)
+def test_what_a_user_does_to_the_top_level_files_never_reaches_a_checkpoint(stopped_run, tmp_path, action):
+    import train
+    straight, stopped = stopped_run
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    before, state = tree(out / "checkpoints"), RunDir.open(str(out)).latest_state()
+    assert shared_inodes(out) == [] and state["phase_step"] == 2
+    action(out)
+    assert tree(out / "checkpoints") == before  # every checkpoint as it was saved
+    assert RunDir.open(str(out)).latest_state() == state
+    train.main([f"--out_dir={out}", "--resume"])
+    expected, resumed = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+    newest = RunDir.open(str(out)).latest_state()["dir"]
+    assert all(digest(out / name) == digest(os.path.join(newest, name)) for name in TOP_FILES)
+    assert shared_inodes(out) == []
+
+
+@pytest.mark.parametrize("how", ["copies", *sorted(errno.errorcode[e] for e in rundir.NO_COPY_FILE_RANGE),
+                                 "stops part way", "absent"])
+def test_a_copy_is_a_file_of_its_own_whatever_the_file_system_supports(tmp_path, monkeypatch, how):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(os.urandom(3 << 20))
+    real, calls = os.copy_file_range, [0]
+
+    def partial(fd_in, fd_out, count, *args):
+        calls[0] += 1
+        return real(fd_in, fd_out, min(count, 1 << 20)) if calls[0] == 1 else 0
+    if how == "absent":
+        monkeypatch.delattr(os, "copy_file_range")
+    elif how == "stops part way":
+        monkeypatch.setattr(os, "copy_file_range", partial)
+    elif how != "copies":
+        code = getattr(errno, how)
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(code, how)))
+    rundir._copy(str(src), str(dst))
+    assert dst.read_bytes() == src.read_bytes() and os.stat(dst).st_ino != os.stat(src).st_ino
+    dst.write_bytes(b"edited")
+    assert len(src.read_bytes()) == 3 << 20
 
 
 # ---- creating, opening, locking ------------------------------------------------------------------------------
@@ -327,15 +443,17 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
             return real(*args, **kwargs)
         return fake
     top_level = lambda src, dst: os.path.dirname(dst) == run.path and dst.endswith("model.safetensors")  # noqa
-    for target, fake, reason in [
-            ("shutil.copyfile", fail(OSError(28, "No space left on device")), "No space left on device"),
-            ("safetensors.torch.save_file", fail(SafetensorError("Error while serializing: IoError")),
+    full, unsupported = fail(OSError(28, "No space left on device")), fail(OSError(18, "Invalid cross-device link"))
+    for fakes, reason in [
+            ({"os.copy_file_range": full}, "No space left on device"),
+            ({"os.copy_file_range": unsupported, "shutil.copyfileobj": full}, "No space left on device"),
+            ({"safetensors.torch.save_file": fail(SafetensorError("Error while serializing: IoError"))},
              "SafetensorError: Error while serializing"),
-            ("data.Tokenizer.save_pretrained", fail(OSError(5, "Input/output error")), "Input/output error"),
-            ("os.replace", fail(IsADirectoryError(21, "Is a directory"), top_level, real_replace), "Is a directory")]:
+            ({"data.Tokenizer.save_pretrained": fail(OSError(5, "Input/output error"))}, "Input/output error"),
+            ({"os.replace": fail(IsADirectoryError(21, "Is a directory"), top_level, real_replace)}, "Is a directory")]:
         with monkeypatch.context() as m:
-            m.setattr("os.link", fail(OSError(18, "Invalid cross-device link")))  # the copy path publishes
-            m.setattr(target, fake)
+            for target, fake in fakes.items():
+                m.setattr(target, fake)
             with pytest.raises(InputError) as e:
                 save(run, 2)
         assert f"could not write the checkpoint of step 2 in {run.checkpoints}: {reason}" in str(e.value)
