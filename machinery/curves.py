@@ -197,8 +197,8 @@ def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
     segments = run_series(run_dir)
     # fixed margins: a constrained layout doubles the cost of a picture redrawn at every checkpoint
     width, height = figsize  # margins in inches, so a small picture keeps its labels
-    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, bottom=0.55 / height, top=1 - 0.35 / height,
-                        hspace=0.12)
+    fig.subplots_adjust(left=0.8 / width, right=1 - 1.9 / width, bottom=0.55 / height, top=1 - 0.35 / height,
+                        hspace=0.12)  # the legends go in the right margin, never over the last points
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     plot(loss_ax, segments, "train", "loss", "train loss", color="C0", alpha=0.35, lw=0.8)
     plot(loss_ax, segments, "val", "val_mlm", "validation MLM loss", color="C1", marker="o", ms=4)
@@ -211,7 +211,7 @@ def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
     tokens_axis(lr_ax)
     for ax in (loss_ax, lr_ax):
         if ax.get_legend_handles_labels()[0]:  # a run with no record yet has nothing to name
-            ax.legend(loc="upper right", fontsize="small")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", borderaxespad=0)
     return save(fig, out_png or os.path.join(run_dir, "loss.png"))
 
 

@@ -220,7 +220,7 @@ def stopped_run(tmp_path_factory):
 
 def edit_in_place(out):
     """As an editor that keeps hard links writes (vim does): the same inode, rewritten."""
-    for name in TOP_FILES:
+    for name in TOP_FILES[1:]:
         with open(out / name, "r+b") as f:
             f.seek(os.path.getsize(out / name) // 2)
             f.write(b"edited")  # the model: same size, other bytes
