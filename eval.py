@@ -12,17 +12,15 @@ seed-noise band), what they are worth downstream (fine-tuning), and how well it 
     python eval.py curves out/clm out/mlm --out=out/curves.png
 
 A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. Sections:
-models, metrics, statistics (what a difference between arms must carry), CKA, task kinds,
-fine-tuning, comparing fine-tuned arms, validation loss and curves, command line. Task and results
-files are read and checked in machinery/tasks.py, tables and figures drawn in machinery/report.py.
-Bad input ends in one line `error: ...` and exit status 2.
+batches, metrics, statistics (what a difference between arms must carry), CKA, task kinds,
+fine-tuning, comparing fine-tuned arms, validation loss and curves. The machinery a reader may
+skip: models and tokenizers found and checked (machinery/models.py), task and results files and
+the saved seeds (machinery/tasks.py), tables and figures (machinery/report.py), the command line
+(machinery/evalcli.py). Bad input ends in one line `error: ...` and exit status 2.
 """
-import argparse
 import copy
-import hashlib
-import inspect
-import json
 import math
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -34,78 +32,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import load_meta, load_tokenizer
-from machinery.cli import (InputError, Parser, autocast, pick_device, pick_threads, positive_int,
-                           read_json, run, sha256_file, write_json)
-from machinery.hf import read_config, resolve_checkpoint
-from machinery.tasks import SPLITS, is_number, load_results, read_jsonl, read_task
-from model import IGNORE_INDEX, ModernBERT
+from data import load_meta
+from machinery import evalcli
+from machinery.cli import InputError, autocast, pick_device, run, save
+from machinery.models import as_list, distinct_models, inspect_model, load_weights, model_tokenizer
+from machinery.tasks import (SPLITS, cached_seed, is_number, load_results, read_jsonl,
+                             read_predictions, read_task)
+from model import IGNORE_INDEX
 
 # ----------------------------------------------------------------------------
-# Models, tokenizers, batches
-
-
-def inspect_model(path):
-    """What is known of a model before its weights are loaded: its local folder (a hub id is
-    fetched), its config, and the SHA-256 of its weights (which keys saved results and tells two
-    models apart)."""
-    text = str(path)
-    if not Path(text).is_dir() and (text.startswith((".", "/", "~")) or Path(text).parent.is_dir()):
-        raise InputError(f"{text}: no such model directory")  # a local path, not a hub id
-    folder = Path(resolve_checkpoint(text))
-    if not (folder / "model.safetensors").is_file():
-        raise InputError(f"{text}: no model.safetensors there (a model folder holds config.json "
-                         f"and model.safetensors)")
-    return {"path": text, "dir": folder, "config": read_config(folder / "config.json"),
-            "sha256": sha256_file(folder / "model.safetensors")}
-
-
-def find_tokenizer(folder, spec=None):
-    """--tokenizer if given, else the folder's tokenizer.json, else the one train.py recorded in
-    the run's state.json (runs that did not copy tokenizer.json to the top)."""
-    folder = Path(folder)
-    found = spec or (folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None)
-    found = found or recorded_tokenizer(folder)
-    if not found:
-        raise InputError(f"{folder}: no tokenizer.json and no tokenizer recorded in a state.json; "
-                         f"pass --tokenizer (a tokenizer.json, a hub id, or 'bytes')")
-    return load_tokenizer(found)
-
-
-def recorded_tokenizer(folder):
-    """The tokenizer spec in the latest checkpoint's state.json (or a top-level one), or None."""
-    from machinery.rundir import latest_state
-    state = latest_state(str(folder))
-    if state is None and (folder / "state.json").is_file():
-        state = read_json(folder / "state.json", "train.py's state.json")
-    spec = state.get("tokenizer") if isinstance(state, dict) else None
-    return spec if isinstance(spec, str) else None
-
-
-def model_tokenizer(info, spec=None):
-    """The tokenizer of inspect_model's `info` (find_tokenizer), refused when its special ids or
-    its vocabulary do not fit the model's config."""
-    tok = find_tokenizer(info["dir"], spec)
-    c = info["config"]
-    ours = (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id)
-    theirs = (c.cls_token_id, c.sep_token_id, c.pad_token_id, c.mask_token_id)
-    if ours != theirs or tok.vocab_size > c.vocab_size:
-        raise InputError(f"{info['path']}: tokenizer {tok.spec} (cls, sep, pad, mask = {ours}, "
-                         f"vocab {tok.vocab_size}) does not fit the model (ids {theirs}, vocab "
-                         f"{c.vocab_size}); pass the right --tokenizer")
-    return tok
-
-
-def load_weights(info, device):
-    """The model of inspect_model's `info`, in eval mode on device; refused when a weight is NaN
-    or inf (a diverged run: every score computed from it would be nonsense)."""
-    model = ModernBERT(info["config"])
-    model.load_weights(str(info["dir"] / "model.safetensors"))
-    bad = next((k for k, p in model.state_dict().items() if not torch.isfinite(p).all()), None)
-    if bad:
-        raise InputError(f"{info['path']}: weight {bad} holds NaN or inf; a diverged model cannot "
-                         f"be evaluated")
-    return model.to(device).eval()
+# Batches (a model and its tokenizer are found and checked in machinery/models.py)
 
 
 def pad_batch(seqs, pad_value, device):
@@ -120,15 +56,6 @@ def batches_by_length(seqs, batch_size):
     """Index arrays of batch_size sequences of similar length (evaluation: order is free there)."""
     order = np.argsort([len(s) for s in seqs], kind="stable")
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def save(path, obj):
-    """write_json, a full disk or an unwritable folder as one error line (the old file is kept)."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_json(str(path), obj)
-    except OSError as e:
-        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
 
 
 # ----------------------------------------------------------------------------
@@ -435,29 +362,6 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
     print(cka_markdown(result))
     plot_cka(result, Path(out).with_suffix(".png"))
     return result
-
-
-def as_list(models):
-    """A model, or a list of replicates given as a list or as paths separated by commas."""
-    return list(models) if isinstance(models, (list, tuple)) else str(models).split(",")
-
-
-def distinct_models(paths, same_ok=()):
-    """inspect_model of each path, refused when they differ in depth, or when one is a model named
-    before it (same folder or same weights), but for the pair of indices `same_ok`: a control or a
-    replicate must be another run."""
-    infos = [inspect_model(p) for p in paths]
-    depths = {info["path"]: info["config"].num_hidden_layers for info in infos}
-    if len(set(depths.values())) > 1:
-        raise InputError(f"models have different numbers of layers: {depths}")
-    for i in range(1, len(infos)):
-        for j, other in enumerate(infos[:i]):
-            same = "folder" if infos[i]["dir"].resolve() == other["dir"].resolve() else \
-                "weights" if infos[i]["sha256"] == other["sha256"] else None
-            if same and (j, i) != tuple(same_ok):
-                raise InputError(f"{infos[i]['path']} has the same {same} as {other['path']}; "
-                                 f"each model, replicate and seed control must be a run of its own")
-    return infos
 
 
 def cka_summary(per_seed):
@@ -870,7 +774,12 @@ def finetune_task(base, tok, task, seeds, s, inputs, seed_dir):
     every = [[x for split in SPLITS for x in data[split][part]] for part in (0, 1)]
     print("  train, dev and test: " + kind.truncation(*every, s.max_len))
     inputs = {**inputs, "task": task["name"], "kind": kind.name, "sha256": task["sha256"]}
-    runs = {str(seed): seed_result(base, task, data, seed, s, inputs, seed_dir) for seed in seeds}
+    def run(seed):  # the result, and each test example's index, line, gold label and prediction
+        result, preds = train_seed(base, task, data, seed, s)
+        return result, [{"index": ex["index"], "line": ex["line"], "gold": ex["label"], "pred": p}
+                        for ex, p in zip(data["test"][0], preds)]
+
+    runs = {str(seed): cached_seed(seed_dir, task, inputs, seed, lambda: run(seed)) for seed in seeds}
     baseline = {split: kind.score([ex["label"] for ex in examples[split]],
                                   kind.majority(task["train"], examples[split]), task["scored"])
                 for split in ("dev", "test")}
@@ -885,37 +794,6 @@ def finetune_task(base, tok, task, seeds, s, inputs, seed_dir):
             "ner_mode": s.ner_mode if kind.name == "token" else None, "files": task["files"],
             "sha256": task["sha256"], "seeds": runs, "mean": mean, "std": std,
             "baseline": baseline}
-
-
-def seed_result(base, task, data, seed, s, inputs, seed_dir):
-    """A (task, seed) result: read from its file when an earlier call computed it from the same
-    inputs, else trained now and written at once with the test predictions (each example's index
-    and line in the test file, gold label, prediction). Its "predictions": that file, relative to
-    the results file's folder (the intervals recompute the metric from them)."""
-    key = {**inputs, "seed": seed}
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
-    if path.is_file():
-        saved = read_json(path, "a fine-tuning result of `eval.py finetune`")
-        ok = isinstance(saved, dict) and saved.get("fingerprint") == fingerprint
-        result = saved.get("result") if ok else None
-        if not scores_ok(result):
-            raise InputError(f"{path}: not a result this command wrote; delete it")
-        print(f"  seed {seed}: skip, done in {path} (same settings, model and task files)")
-        return {**result, "predictions": f"{seed_dir.name}/{path.name}"}
-    result, preds = train_seed(base, task, data, seed, s)
-    predictions = [{"index": ex["index"], "line": ex["line"], "gold": ex["label"], "pred": p}
-                   for ex, p in zip(data["test"][0], preds)]
-    save(path, {"fingerprint": fingerprint, "inputs": key, "result": result,
-                "predictions": predictions})
-    return {**result, "predictions": f"{seed_dir.name}/{path.name}"}
-
-
-def scores_ok(result):
-    """Whether a seed's result holds dev and test scores that are all finite numbers."""
-    return isinstance(result, dict) and all(
-        isinstance(result.get(split), dict) and result[split]
-        and all(is_number(v) for v in result[split].values()) for split in ("dev", "test"))
 
 
 # ----------------------------------------------------------------------------
@@ -995,20 +873,6 @@ def clip(iv, low, high):
     return {**iv, "low": max(iv["low"], low), "high": min(iv["high"], high)}
 
 
-def read_predictions(results_path, task, seed):
-    """(gold, predictions) of one seed's test split, read from the file its result names."""
-    name = task["seeds"][seed].get("predictions")
-    path = results_path.parent / str(name)
-    if not name or not path.is_file():
-        raise InputError(f"{results_path}: seed {seed} of {task['task']} names no predictions file "
-                         f"that exists ({name}); run its `eval.py finetune` again")
-    rows = read_json(path, "a fine-tuning result of `eval.py finetune`").get("predictions")
-    if not isinstance(rows, list) or not rows:
-        raise InputError(f"{path}: no test predictions in it; run its `eval.py finetune` again")
-    rows = sorted(rows, key=lambda row: row["index"])
-    return [row["gold"] for row in rows], [row["pred"] for row in rows]
-
-
 def table(files, reference=None):
     """Print and return the comparison of results files of `finetune`: each file an arm, or several
     separated by commas, the replicates of one arm (replicate r of each arm paired); the first
@@ -1073,141 +937,9 @@ def curves(runs, out, names=None):
 # Command line
 
 
-def seed_list(text):
-    """argparse type: distinct integers in [0, 2**32) separated by commas (numpy takes no negative
-    seed; a seed given twice would count one run twice in the mean and std)."""
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, e.g. 42,43,44; "
-                                         f"got {text!r}") from None
-    if not all(0 <= s < 2 ** 32 for s in seeds):
-        raise argparse.ArgumentTypeError(f"expected seeds in [0, 2**32), got {text}")
-    if len(set(seeds)) < len(seeds):
-        raise argparse.ArgumentTypeError(f"{text} repeats a seed; give each seed once")
-    return tuple(seeds)
-
-
-def name_list(text, count=None):
-    """argparse type: distinct non-empty names separated by commas (`count` of them if given)."""
-    names = text.split(",")
-    if not all(names) or len(set(names)) < len(names) or count not in (None, len(names)):
-        raise argparse.ArgumentTypeError(f"expected {count or 'some'} distinct non-empty names "
-                                         f"separated by commas, got {text!r}")
-    return names
-
-
-def positive_float(text):
-    """argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-    return value
-
-
-def at_least_three(text):
-    """argparse type: an integer of 3 or more (linear CKA of two texts is 1 whatever the models)."""
-    if positive_int(text) < 3:
-        raise argparse.ArgumentTypeError(f"expected at least 3 (CKA of 2 texts is 1 whatever the "
-                                         f"models), got {text}")
-    return int(text)
-
-
-def max_len(text):
-    """argparse type: a length with room for [CLS], [SEP] and some text."""
-    if positive_int(text) < 4:
-        raise argparse.ArgumentTypeError(f"expected at least 4 ([CLS], [SEP] and text), got {text}")
-    return int(text)
-
-
-def parser():
-    """eval.py's command line: a sub-command per entry point, each flag with its meaning."""
-    p = Parser(prog="eval.py", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="command")
-    device = Parser(add_help=False)
-    device.add_argument("--device", default="auto", help="auto (a GPU if any), cpu, cuda, cuda:N")
-    device.add_argument("--threads", type=positive_int, default=None,
-                        help="CPU intra-op threads (none: $OMP_NUM_THREADS, else the idle cores)")
-    model = Parser(add_help=False, parents=[device])
-    model.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' "
-                       "(none: the model folder's tokenizer.json, else the one its run recorded)")
-    model.add_argument("--max_len", type=max_len, default=512,
-                       help="tokens per text, [CLS] and [SEP] included")
-
-    def command(fn, parents, what):  # a sub-command's --help opens with its function's docstring
-        return sub.add_parser(fn.__name__, parents=parents, help=what,
-                              description=inspect.cleandoc(fn.__doc__))
-
-    cka_flags(command(cka, [model], "per-layer linear CKA of two models against seed controls"))
-    finetune_flags(command(finetune, [model], "fine-tune on task folders, several seeds"))
-    t = command(table, [], "fine-tuned arms compared, with intervals, baselines and verdicts")
-    t.add_argument("files", nargs="+", help="results files of `finetune`, one per arm, or an arm's "
-                   "replicates separated by commas; the first arm is the reference")
-    t.add_argument("--reference", default=None, help="the arm the others are compared with, by "
-                   "name (its first file's name without .json)")
-    m = command(mlm, [device], "validation MLM and CLM loss on val.bin")
-    m.add_argument("model", help="a model folder, run directory or hub id")
-    m.add_argument("--data", required=True, help="a folder data.py prepared (meta.json, val.bin)")
-    m.add_argument("--n_sequences", type=positive_int, default=64, help="validation windows read")
-    m.add_argument("--seq_len", type=positive_int, default=512, help="tokens per window")
-    m.add_argument("--batch_size", type=positive_int, default=8, help="windows per forward pass")
-    k = command(curves, [], "several runs' loss curves on shared axes")
-    k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
-    k.add_argument("--out", required=True, help="the PNG to write")
-    k.add_argument("--names", type=name_list, default=None, help="a name per run (none: folders)")
-    return p
-
-
-def cka_flags(c):
-    c.add_argument("model_a", help="the reference model (e.g. the MLM run), or its replicates "
-                   "separated by commas (every two of them are a seed control)")
-    c.add_argument("model_b", help="the model compared with it (e.g. the CLM run), or its "
-                   "replicates separated by commas, in the order of model_a's")
-    c.add_argument("--control", dest="controls", action="append", default=[],
-                   help="another run of model_a's method with other seeds; repeat for more")
-    c.add_argument("--names", type=lambda text: name_list(text, 2), default=None,
-                   help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM")
-    c.add_argument("--texts", required=True, help="JSONL of held-out texts: {'text': ...} a line")
-    c.add_argument("--n", type=at_least_three, default=500, help="texts drawn per sampling seed")
-    c.add_argument("--seeds", type=seed_list, default=(42, 43, 44),
-                   help="sampling seeds: a draw of --n texts each")
-    c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")
-    c.add_argument("--out", default="cka.json", help="the JSON result; the figure goes beside it")
-
-
-def finetune_flags(f):
-    f.add_argument("model", help="a model folder, run directory or hub id")
-    f.add_argument("--task", dest="tasks", action="append", required=True,
-                   help="a task folder (train/dev/test .tsv or .jsonl); repeat for more")
-    f.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46),
-                   help="fine-tuning seeds (classifier init and data order), one run each")
-    f.add_argument("--out", default="results.json", help="results JSON; seed files in OUT.seeds/")
-    f.add_argument("--epochs", type=positive_int, default=None,
-                   help="passes over train (none: 10; 20 for token tasks)")
-    f.add_argument("--lr", type=positive_float, default=5e-5, help="AdamW peak learning rate")
-    f.add_argument("--train_subset", type=positive_int, default=None,
-                   help="train on this many examples (a fixed draw; none: all)")
-    f.add_argument("--eval_subset", type=positive_int, default=None,
-                   help="dev and test on this many examples each (a fixed draw; none: all)")
-    f.add_argument("--batch_size", type=positive_int, default=16, help="examples per step")
-    f.add_argument("--pooling", choices=("cls", "mean"), default="cls",
-                   help="sequence tasks: the [CLS] vector or the mean over tokens")
-    f.add_argument("--ner_mode", choices=NER_MODES, default="default",
-                   help="token tasks: entities as seqeval reads them by default (an I- that "
-                   "continues nothing starts an entity) or in its strict IOB2 mode (it is dropped)")
-
-
 def main(argv=None):
-    args = vars(parser().parse_args(argv))
-    command = {"cka": cka, "finetune": finetune, "table": table, "mlm": mlm, "curves": curves}
-    command = command[args.pop("command")]
-    if "threads" in args:
-        torch.set_num_threads(pick_threads(args.pop("threads")))
-        print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
-    return command(**args)
+    """eval.py's command line (machinery/evalcli.py): a sub-command per function above."""
+    return evalcli.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

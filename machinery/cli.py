@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 
 class InputError(ValueError):
@@ -201,3 +202,13 @@ def write_json(path, obj):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def save(path, obj):
+    """write_json into a folder made if needed; a full disk or an unwritable folder as one error line (the old file
+    is kept)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(str(path), obj)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None

@@ -1,13 +1,15 @@
-"""The files eval.py reads: fine-tuning task folders (token<TAB>tag and JSONL), held-out texts, results
-files of `eval.py finetune`, and the content hashes that key saved results. Everything is checked in full
+"""The files eval.py reads and writes: fine-tuning task folders (token<TAB>tag and JSONL), held-out texts,
+results files of `eval.py finetune`, each seed's saved result and test predictions, keyed by the content hashes
+of what they depend on. Everything is checked in full
 before any model is loaded, so a typo in a test file does not cost a run. A reader of the recipe may skip
 this file."""
+import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 
-from machinery.cli import InputError, read_json, sha256_file
+from machinery.cli import InputError, read_json, save, sha256_file
 
 SPLITS = ("train", "dev", "test")
 
@@ -183,3 +185,45 @@ def load_results(path):
             raise InputError(f"{path}: task {name!r} lacks a finite {metric or 'primary'} test score for every "
                              f"seed and for the baseline")
     return r
+
+
+def cached_seed(seed_dir, task, inputs, seed, compute):
+    """A (task, seed) result of `eval.py finetune`: read from its file in seed_dir when an earlier call computed it
+    from the same inputs (settings, the model's weights, the task files' contents), else compute() -> (result, test
+    predictions), written at once. Returned with "predictions": that file, relative to the results file's folder
+    (the intervals of a comparison recompute the metrics from them)."""
+    key = {**inputs, "seed": seed}
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
+    if path.is_file():
+        saved = read_json(path, "a fine-tuning result of `eval.py finetune`")
+        ok = isinstance(saved, dict) and saved.get("fingerprint") == fingerprint
+        result = saved.get("result") if ok else None
+        if not scores_ok(result):
+            raise InputError(f"{path}: not a result this command wrote; delete it")
+        print(f"  seed {seed}: skip, done in {path} (same settings, model and task files)")
+    else:
+        result, predictions = compute()
+        save(path, {"fingerprint": fingerprint, "inputs": key, "result": result, "predictions": predictions})
+    return {**result, "predictions": f"{seed_dir.name}/{path.name}"}
+
+
+def scores_ok(result):
+    """Whether a seed's result holds dev and test scores that are all finite numbers."""
+    return isinstance(result, dict) and all(
+        isinstance(result.get(split), dict) and result[split]
+        and all(is_number(v) for v in result[split].values()) for split in ("dev", "test"))
+
+
+def read_predictions(results_path, task, seed):
+    """(gold, predictions) of one seed's test split, read from the file its result names."""
+    name = task["seeds"][seed].get("predictions")
+    path = results_path.parent / str(name)
+    if not name or not path.is_file():
+        raise InputError(f"{results_path}: seed {seed} of {task['task']} names no predictions file "
+                         f"that exists ({name}); run its `eval.py finetune` again")
+    rows = read_json(path, "a fine-tuning result of `eval.py finetune`").get("predictions")
+    if not isinstance(rows, list) or not rows:
+        raise InputError(f"{path}: no test predictions in it; run its `eval.py finetune` again")
+    rows = sorted(rows, key=lambda row: row["index"])
+    return [row["gold"] for row in rows], [row["pred"] for row in rows]

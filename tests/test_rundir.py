@@ -242,6 +242,17 @@ def delete(out):
         os.remove(out / name)
 
 
+def keep_elsewhere(out):
+    """The user keeps the published files in a folder of theirs: the model by a hard link, config.json as their own
+    file that the run's name now points to."""
+    mine = out.parent / "mine"
+    mine.mkdir()
+    os.link(out / "model.safetensors", mine / "model.safetensors")
+    (mine / "config.json").write_text('{"mine": true}')
+    os.remove(out / "config.json")
+    os.symlink(mine / "config.json", out / "config.json")
+
+
 def ours_save_pretrained(out):
     from model import ModernBERT
     model = ModernBERT.from_pretrained(str(out))
@@ -262,7 +273,7 @@ def transformers_save_pretrained(out):
     tokenizer.save_pretrained(str(out))
 
 
-@pytest.mark.parametrize("action", [edit_in_place, replace, delete, ours_save_pretrained,
+@pytest.mark.parametrize("action", [edit_in_place, replace, delete, keep_elsewhere, ours_save_pretrained,
                                     transformers_save_pretrained], ids=lambda f: f.__name__)
 def test_what_a_user_does_to_the_top_level_files_never_reaches_a_checkpoint(stopped_run, tmp_path, action):
     import train
@@ -274,7 +285,9 @@ def test_what_a_user_does_to_the_top_level_files_never_reaches_a_checkpoint(stop
     action(out)
     assert tree(out / "checkpoints") == before  # every checkpoint as it was saved
     assert RunDir.open(str(out)).latest_state() == state
+    mine = tree(tmp_path / "mine")  # what the user keeps outside the run, if anything
     train.main([f"--out_dir={out}", "--resume"])
+    assert tree(tmp_path / "mine") == mine  # a save replaces the run's names, never what they point to
     expected, resumed = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
     newest = RunDir.open(str(out)).latest_state()["dir"]

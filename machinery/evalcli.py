@@ -1,0 +1,146 @@
+"""eval.py's command line: a sub-command per entry point, each flag with its meaning and its type checked. A
+reader of the recipe may skip this file."""
+import argparse
+import inspect
+import math
+
+import torch
+
+from machinery.cli import Parser, pick_threads, positive_int
+
+
+def seed_list(text):
+    """argparse type: distinct integers in [0, 2**32) separated by commas (numpy takes no negative
+    seed; a seed given twice would count one run twice in the mean and std)."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, e.g. 42,43,44; "
+                                         f"got {text!r}") from None
+    if not all(0 <= s < 2 ** 32 for s in seeds):
+        raise argparse.ArgumentTypeError(f"expected seeds in [0, 2**32), got {text}")
+    if len(set(seeds)) < len(seeds):
+        raise argparse.ArgumentTypeError(f"{text} repeats a seed; give each seed once")
+    return tuple(seeds)
+
+
+def name_list(text, count=None):
+    """argparse type: distinct non-empty names separated by commas (`count` of them if given)."""
+    names = text.split(",")
+    if not all(names) or len(set(names)) < len(names) or count not in (None, len(names)):
+        raise argparse.ArgumentTypeError(f"expected {count or 'some'} distinct non-empty names "
+                                         f"separated by commas, got {text!r}")
+    return names
+
+
+def positive_float(text):
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
+def at_least_three(text):
+    """argparse type: an integer of 3 or more (linear CKA of two texts is 1 whatever the models)."""
+    if positive_int(text) < 3:
+        raise argparse.ArgumentTypeError(f"expected at least 3 (CKA of 2 texts is 1 whatever the "
+                                         f"models), got {text}")
+    return int(text)
+
+
+def max_len(text):
+    """argparse type: a length with room for [CLS], [SEP] and some text."""
+    if positive_int(text) < 4:
+        raise argparse.ArgumentTypeError(f"expected at least 4 ([CLS], [SEP] and text), got {text}")
+    return int(text)
+
+
+def parser(ev):
+    """eval.py's command line over the module `ev` (eval.py): its functions are the sub-commands."""
+    p = Parser(prog="eval.py", description=ev.__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    device = Parser(add_help=False)
+    device.add_argument("--device", default="auto", help="auto (a GPU if any), cpu, cuda, cuda:N")
+    device.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU intra-op threads (none: $OMP_NUM_THREADS, else the idle cores)")
+    model = Parser(add_help=False, parents=[device])
+    model.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' "
+                       "(none: the model folder's tokenizer.json, else the one its run recorded)")
+    model.add_argument("--max_len", type=max_len, default=512,
+                       help="tokens per text, [CLS] and [SEP] included")
+
+    def command(fn, parents, what):  # a sub-command's --help opens with its function's docstring
+        return sub.add_parser(fn.__name__, parents=parents, help=what,
+                              description=inspect.cleandoc(fn.__doc__))
+
+    cka_flags(command(ev.cka, [model], "per-layer linear CKA of two models against seed controls"))
+    finetune_flags(command(ev.finetune, [model], "fine-tune on task folders, several seeds"), ev.NER_MODES)
+    t = command(ev.table, [], "fine-tuned arms compared, with intervals, baselines and verdicts")
+    t.add_argument("files", nargs="+", help="results files of `finetune`, one per arm, or an arm's "
+                   "replicates separated by commas; the first arm is the reference")
+    t.add_argument("--reference", default=None, help="the arm the others are compared with, by "
+                   "name (its first file's name without .json)")
+    m = command(ev.mlm, [device], "validation MLM and CLM loss on val.bin")
+    m.add_argument("model", help="a model folder, run directory or hub id")
+    m.add_argument("--data", required=True, help="a folder data.py prepared (meta.json, val.bin)")
+    m.add_argument("--n_sequences", type=positive_int, default=64, help="validation windows read")
+    m.add_argument("--seq_len", type=positive_int, default=512, help="tokens per window")
+    m.add_argument("--batch_size", type=positive_int, default=8, help="windows per forward pass")
+    k = command(ev.curves, [], "several runs' loss curves on shared axes")
+    k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
+    k.add_argument("--out", required=True, help="the PNG to write")
+    k.add_argument("--names", type=name_list, default=None, help="a name per run (none: folders)")
+    return p
+
+
+def cka_flags(c):
+    c.add_argument("model_a", help="the reference model (e.g. the MLM run), or its replicates "
+                   "separated by commas (every two of them are a seed control)")
+    c.add_argument("model_b", help="the model compared with it (e.g. the CLM run), or its "
+                   "replicates separated by commas, in the order of model_a's")
+    c.add_argument("--control", dest="controls", action="append", default=[],
+                   help="another run of model_a's method with other seeds; repeat for more")
+    c.add_argument("--names", type=lambda text: name_list(text, 2), default=None,
+                   help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM")
+    c.add_argument("--texts", required=True, help="JSONL of held-out texts: {'text': ...} a line")
+    c.add_argument("--n", type=at_least_three, default=500, help="texts drawn per sampling seed")
+    c.add_argument("--seeds", type=seed_list, default=(42, 43, 44),
+                   help="sampling seeds: a draw of --n texts each")
+    c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")
+    c.add_argument("--out", default="cka.json", help="the JSON result; the figure goes beside it")
+
+
+def finetune_flags(f, ner_modes):
+    f.add_argument("model", help="a model folder, run directory or hub id")
+    f.add_argument("--task", dest="tasks", action="append", required=True,
+                   help="a task folder (train/dev/test .tsv or .jsonl); repeat for more")
+    f.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46),
+                   help="fine-tuning seeds (classifier init and data order), one run each")
+    f.add_argument("--out", default="results.json", help="results JSON; seed files in OUT.seeds/")
+    f.add_argument("--epochs", type=positive_int, default=None,
+                   help="passes over train (none: 10; 20 for token tasks)")
+    f.add_argument("--lr", type=positive_float, default=5e-5, help="AdamW peak learning rate")
+    f.add_argument("--train_subset", type=positive_int, default=None,
+                   help="train on this many examples (a fixed draw; none: all)")
+    f.add_argument("--eval_subset", type=positive_int, default=None,
+                   help="dev and test on this many examples each (a fixed draw; none: all)")
+    f.add_argument("--batch_size", type=positive_int, default=16, help="examples per step")
+    f.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                   help="sequence tasks: the [CLS] vector or the mean over tokens")
+    f.add_argument("--ner_mode", choices=ner_modes, default="default",
+                   help="token tasks: entities as seqeval reads them by default (an I- that "
+                   "continues nothing starts an entity) or in its strict IOB2 mode (it is dropped)")
+
+
+def main(ev, argv=None):
+    """Run the sub-command of eval.py (the module `ev`) that argv names."""
+    args = vars(parser(ev).parse_args(argv))
+    command = getattr(ev, args.pop("command"))
+    if "threads" in args:
+        torch.set_num_threads(pick_threads(args.pop("threads")))
+        print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
+    return command(**args)
