@@ -21,6 +21,8 @@ import ast
 import json
 import math
 import os
+import re
+import secrets
 import sys
 import sysconfig
 import tempfile
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from machinery.cli import InputError, Parser, read_json, run, sha256_file, usable_cores
+from machinery.rundir import hold_lock, release_lock
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
 
 # ----------------------------------------------------------------------------
@@ -162,8 +165,9 @@ def write_docstrings(path, max_bytes=1_000_000):
 def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005,
             seed=1337, workers=None):
     """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict.
-    Every file is written under a temporary name and renamed at the end, so that a failure (a
-    full disk) leaves nothing half-written."""
+    The files are written in a folder of this process's own and moved into place at the end, under
+    out_dir/.lock: a failure (a full disk) leaves nothing half-written, and a second prepare into
+    the same folder while this one runs is refused."""
     t0 = time.time()
     paths, out = [Path(p) for p in inputs], Path(out_dir)
     names = [p.stem for p in paths]
@@ -172,11 +176,16 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer_spec)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    tmp = {k: out / f".{k}.tmp" for k in [*(f"{n}.tokens" for n in names), "train.bin", "val.bin",
-                                          "meta.json"]}
+    lock = hold_lock(out / ".lock", f"--out={out}: another data.py prepare is writing there (it "
+                                    f"holds {out / '.lock'}); wait for it or choose another --out")
+    tmp = out / f".prepare-{os.getpid()}-{secrets.token_hex(4)}"
     bar = progress(sum(p.stat().st_size for p in paths), f"tokenizing into {out}")
     try:
-        sources = [tokenize_source(p, field, tokenizer, dtype, tmp[f"{n}.tokens"], workers, bar)
+        for stale in out.iterdir():  # left by a prepare that was killed: the lock says none runs
+            if TEMP_FOLDER.fullmatch(stale.name):
+                remove_temp_folder(stale)
+        tmp.mkdir()
+        sources = [tokenize_source(p, field, tokenizer, dtype, tmp / f"{n}.tokens", workers, bar)
                    for p, n in zip(paths, names)]
         lengths = [lens for lens, _ in sources]
         train, val = choose_documents(lengths, names, mix, val_fraction, seed)
@@ -185,8 +194,8 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
             raise InputError(f"--input: the validation split is empty ({counts} document(s)); "
                              f"val needs at least one document and train keeps one per input, so "
                              f"give an input 2 or more documents (.txt: separated by a blank line)")
-        tokens = [np.memmap(tmp[f"{n}.tokens"], dtype=dtype, mode="r") for n in names]
-        splits = {split: write_split(tmp[f"{split}.bin"], tokens, lengths, chosen, names,
+        tokens = [np.memmap(tmp / f"{n}.tokens", dtype=dtype, mode="r") for n in names]
+        splits = {split: write_split(tmp / f"{split}.bin", tokens, lengths, chosen, names,
                                      np.random.default_rng([seed, len(paths), split == "val"]))
                   for split, chosen in (("train", train), ("val", val))}
         # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
@@ -199,18 +208,19 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                     val_fraction=val_fraction, mix=mix, splits=splits,
                     sources=[dict(name=n, path=str(p), sha256=sha256_file(p), documents=len(lens))
                              for n, p, lens in zip(names, paths, lengths)])
-        tmp["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
-        # meta.json goes last: a directory with a meta.json always holds the matching .bin files
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # meta.json goes first and comes back last: a directory with a meta.json always holds
+        # the .bin files it describes
         (out / "meta.json").unlink(missing_ok=True)
         for name in ("train.bin", "val.bin", "meta.json"):
-            os.replace(tmp[name], out / name)
+            os.replace(tmp / name, out / name)
     except OSError as e:
         raise InputError(f"{e.filename or out}: {e.strerror or e}; nothing half-written is left "
                          f"in {out}") from None
     finally:
         bar.close()
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
+        remove_temp_folder(tmp)
+        release_lock(lock)
     mb, seconds = sum(b for _, b in sources) / 1e6, time.time() - t0
     print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s); "
           + ", ".join(f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents"
@@ -259,9 +269,15 @@ def choose_documents(lengths, names, mix, val_fraction, seed):
         val.append(np.flatnonzero(is_val))
     if mix is not None:  # target shares of the natural train total, reached with whole documents
         natural = sum(lens[docs].sum() for lens, docs in zip(lengths, train))
-        weight = sum(mix.values())
-        train = [resample(docs, lens, mix[n] / weight * natural, rng)
+        top = max(mix.values())  # weights over the largest first: 1e308 + 1e308 is no number
+        share = {n: w / top / sum(v / top for v in mix.values()) for n, w in mix.items()}
+        train = [resample(docs, lens, share[n] * natural, rng)
                  for n, lens, docs, rng in zip(names, lengths, train, rngs)]
+        for n, docs in zip(names, train):
+            if share[n] and not len(docs):  # asked for, and left out: a silent 0 share
+                raise InputError(f"--mix {n}={mix[n]:g}: a share of {share[n]:.3g} of the "
+                                 f"{natural:,} train tokens is less than one document of {n}, so "
+                                 f"train would hold none of it; raise its weight, or give it 0")
     return train, val
 
 
@@ -304,10 +320,11 @@ def prepare_demo(out_dir="data/demo", vocab_size=DEMO_VOCAB):
     wanted = "bytes" if vocab_size is None else str((out / "tokenizer.json").resolve())
     try:
         meta = load_meta(out)
+        for split in SPLITS:  # a demo cut short by a kill or a full disk is built again
+            split_tokens(out, meta, split)
     except InputError:
         meta = None
-    if meta and meta["tokenizer"] == wanted and meta["vocab_size"] == (vocab_size or 260) \
-            and all((out / f"{s}.bin").is_file() for s in ("train", "val")):
+    if meta and meta["tokenizer"] == wanted and meta["vocab_size"] == (vocab_size or 260):
         print(f"{out} is already prepared: {meta['splits']['train']['tokens']:,} train tokens")
         return meta
     if meta:
@@ -323,11 +340,10 @@ def prepare_demo(out_dir="data/demo", vocab_size=DEMO_VOCAB):
 
 
 def count_windows(data_dir, split, seq_len):
-    """Number of seq_len windows in data_dir/{split}.bin, from its size alone (no scan)."""
+    """Number of seq_len windows in data_dir/{split}.bin, the file checked against meta.json."""
     if not is_int(seq_len) or seq_len < 1:
         raise InputError(f"seq_len must be a positive integer, got {seq_len!r}")
-    dtype = np.dtype(load_meta(data_dir)["dtype"])
-    return bin_tokens(Path(data_dir) / f"{split}.bin", dtype) // seq_len
+    return split_tokens(data_dir, load_meta(data_dir), split) // seq_len
 
 
 def document_ids(x, sep_id):
@@ -361,11 +377,12 @@ class Loader:
             raise InputError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
         self.meta = load_meta(data_dir)
         self.path, self.dtype = Path(data_dir) / f"{split}.bin", np.dtype(self.meta["dtype"])
-        n_tokens = check_bin(self.path, self.dtype, self.meta["vocab_size"])
-        if seq_len > n_tokens:
-            raise InputError(f"{self.path}: seq_len {seq_len} is longer than the data ({n_tokens} "
-                             f"tokens)")
-        self.split, self.seq_len, self.n_windows = split, seq_len, n_tokens // seq_len
+        self.n_tokens = split_tokens(data_dir, self.meta, split)
+        self.checked = self.path.stat()  # the file whose size and ids were checked
+        if seq_len > self.n_tokens:
+            raise InputError(f"{self.path}: seq_len {seq_len} is longer than the data "
+                             f"({self.n_tokens} tokens)")
+        self.split, self.seq_len, self.n_windows = split, seq_len, self.n_tokens // seq_len
         self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
         self.rank, self.world_size = rank, world_size
         self.accum, rest = divmod(batch_size, micro_batch_size * world_size)
@@ -395,9 +412,24 @@ class Loader:
     def batch(self, g):
         """(x, y) int64 tensors (len(g), seq_len) for global sequence indices g: the windows, then
         the objective's inputs and labels."""
-        tokens = np.memmap(self.path, dtype=self.dtype, mode="r")  # re-opened per read: no leak
-        T = self.seq_len
-        x = np.stack([tokens[w * T:(w + 1) * T] for w in self.windows(g)]).astype(np.int64)
+        T, windows, size = self.seq_len, self.windows(g), self.dtype.itemsize
+        with open(self.path, "rb") as f:  # re-opened per read; one read a window (a mapping would
+            # read the kernel's read-ahead, megabytes, around each page it touches)
+            if not os.path.samestat(os.fstat(f.fileno()), self.checked):
+                raise InputError(f"{self.path}: replaced after this run checked it (by another "
+                                 f"data.py prepare?); its windows are not the ones checked")
+            raw = [os.pread(f.fileno(), T * size, int(w) * T * size) for w in windows]
+        if any(len(r) < T * size for r in raw):
+            raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was cut "
+                             f"after this run checked it")
+        x = np.stack([np.frombuffer(r, self.dtype) for r in raw]).astype(np.int64)
+        vocab = len(self.vocab.special)
+        above = np.flatnonzero(x.max(1) >= vocab)  # every id a step sees: the open read a sample
+        if len(above):
+            i, start = above[0], windows[above[0]] * T
+            raise InputError(f"{self.path}: id {x[i].max()} in tokens {start} to {start + T - 1}, "
+                             f"above the vocabulary of {vocab} (a file of another tokenizer or "
+                             f"dtype?)")
         x, y = OBJECTIVES[self.objective](x, g, self.vocab, self.mask_rate, self.mask_seed)
         return torch.from_numpy(x), torch.from_numpy(y)  # (B, T) each
 
@@ -514,8 +546,12 @@ class Vocab:
 # Checks and files: each input checked before any work, each output written whole or not at all
 
 
+SPLITS = ("train", "val")
+
+
 def load_meta(data_dir):
-    """data_dir/meta.json, checked: every field that sizes a table or indexes one is in range."""
+    """data_dir/meta.json, checked: every field that sizes a table or indexes one is in range, and
+    each split's token count is there (split_tokens checks its file against it)."""
     path = Path(data_dir) / "meta.json"
     meta = read_json(path, "the meta.json of `python data.py prepare` (`python data.py`: the demo)")
     keys = ("format", "dtype", "vocab_size", "tokenizer", "tokenizer_fingerprint", "cls_id",
@@ -523,22 +559,91 @@ def load_meta(data_dir):
     if not isinstance(meta, dict) or meta.get("format") != 1 or not all(k in meta for k in keys):
         raise InputError(f"{path}: not a format-1 meta.json written by `data.py prepare` (needs "
                          f"keys {', '.join(keys)})")
-    vocab, dtype = meta["vocab_size"], meta["dtype"]
+    vocab, dtype, splits = meta["vocab_size"], meta["dtype"], meta["splits"]
     ids = [meta[f"{n}_id"] for n in ("cls", "sep", "pad", "mask")]
     ids += meta["special_ids"] if isinstance(meta["special_ids"], list) else [None]
-    for ok, expected in [
-            (is_int(vocab) and 0 < vocab <= MAX_VOCAB,
+    counts = {s: splits[s].get("tokens") if isinstance(splits[s], dict) else None
+              for s in splits} if isinstance(splits, dict) else {}
+    for ok, expected in [  # in order, each asked only when those before it hold
+            (lambda: is_int(vocab) and 0 < vocab <= MAX_VOCAB,
              f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
-            (dtype in ("uint16", "uint32"), f"dtype uint16 or uint32, got {dtype!r}"),
-            (dtype != "uint16" or vocab <= 1 << 16,
+            (lambda: dtype in ("uint16", "uint32"), f"dtype uint16 or uint32, got {dtype!r}"),
+            (lambda: dtype != "uint16" or vocab <= 1 << 16,
              f"dtype uint32 for vocab_size {vocab} (uint16 holds ids < 65536)"),
-            (all(is_int(i) and 0 <= i < vocab for i in ids),
+            (lambda: all(is_int(i) and 0 <= i < vocab for i in ids),
              f"cls/sep/pad/mask_id and special_ids integers below vocab_size {vocab}, got {ids}"),
-            (all(isinstance(meta[k], str) for k in ("tokenizer", "tokenizer_fingerprint")),
-             "tokenizer strings")]:
-        if not ok:
+            (lambda: all(isinstance(meta[k], str) for k in ("tokenizer", "tokenizer_fingerprint")),
+             "tokenizer strings"),
+            (lambda: set(SPLITS) <= set(counts) and all(is_int(n) and 0 <= n < 1 << 62
+                                                       for n in counts.values()),
+             f"splits {' and '.join(SPLITS)}, each with its tokens an integer >= 0, got "
+             f"{counts if isinstance(splits, dict) else splits}")]:
+        if not ok():
             raise InputError(f"{path}: expected {expected}")
     return meta
+
+
+SAMPLE, EDGE = 4096, 8192  # ids read at open: a seeded spread, and the first and last EDGE tokens
+
+
+def split_tokens(data_dir, meta, split):
+    """The number of tokens in data_dir/{split}.bin, after checking the file against meta.json:
+    its size is the split's token count times the dtype's size, and its ids on a fixed sample are
+    below the vocabulary. A copy cut short, a file of another dtype or tokenizer stops here, before
+    any step (Loader.batch checks every id it reads)."""
+    path, where = Path(data_dir) / f"{split}.bin", Path(data_dir) / "meta.json"
+    dtype, vocab, splits = np.dtype(meta["dtype"]), meta["vocab_size"], meta["splits"]
+    if split not in splits:
+        raise InputError(f"{path}: not found; {where} lists the splits {', '.join(splits)}")
+    n = splits[split]["tokens"]
+    if not path.is_file():
+        raise InputError(f"{path}: not found or not a file; {where} says it holds {n} tokens")
+    size, want = path.stat().st_size, n * dtype.itemsize
+    if size != want:
+        raise InputError(f"{path} holds {size} bytes; {where} says {n} tokens of {dtype.name} = "
+                         f"{want} bytes ({size_hint(size, n, dtype)})")
+    if n == 0:
+        return 0
+    at = sample_positions(n)
+    try:
+        ids = read_at(path, dtype, at)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if len(ids) < len(at):
+        raise InputError(f"{path}: shorter than its size said while it was read: is it being "
+                         f"written?")
+    if ids.max() >= vocab:
+        raise InputError(f"{path}: ids up to {ids.max()} at sample positions (the first at token "
+                         f"{at[np.argmax(ids >= vocab)]}), above the vocabulary of {vocab} in "
+                         f"{where} (a file of another tokenizer or dtype?)")
+    return n
+
+
+def sample_positions(n):
+    """The positions split_tokens reads in a file of n tokens: sorted, the same at every call."""
+    spread = np.random.default_rng(0).integers(0, n, SAMPLE)
+    edges = [np.arange(min(n, EDGE)), np.arange(max(0, n - EDGE), n)]
+    return np.unique(np.concatenate([*edges, spread]))
+
+
+def read_at(path, dtype, positions):
+    """The ids at sorted positions, one read per run of consecutive ones. Not np.memmap: each page
+    fault of a mapping reads the kernel's read-ahead window around it (megabytes), and a few
+    thousand of them would read gigabytes of a large file."""
+    runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
+    with open(path, "rb") as f:
+        return np.concatenate([np.frombuffer(os.pread(f.fileno(), len(r) * dtype.itemsize,
+                                                      int(r[0]) * dtype.itemsize), dtype)
+                               for r in runs])
+
+
+def size_hint(size, n, dtype):
+    """The likely story of a .bin whose size is not the one meta.json implies."""
+    other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
+    if size == n * other.itemsize:
+        return f"the size of {n} tokens of {other.name}: written with another dtype?"
+    return "an interrupted copy?" if size < n * dtype.itemsize else \
+        "longer than that: appended to, or the file of another prepare?"
 
 
 def check_tokenizer(meta, tokenizer):
@@ -548,30 +653,6 @@ def check_tokenizer(meta, tokenizer):
                          f"{meta['tokenizer_fingerprint'][:12]}) but tokenizer {tokenizer.spec} "
                          f"has fingerprint {tokenizer.fingerprint[:12]}; prepare the data again "
                          f"with this tokenizer")
-
-
-def bin_tokens(path, dtype):
-    """Number of tokens in a .bin, from its size, after checking that the size fits the dtype."""
-    if not path.is_file():
-        raise InputError(f"{path}: not found")
-    size = path.stat().st_size
-    if size % dtype.itemsize:
-        raise InputError(f"{path}: size {size} bytes is not a multiple of {dtype.name} "
-                         f"({dtype.itemsize} bytes); truncated or wrong dtype")
-    return size // dtype.itemsize
-
-
-def check_bin(path, dtype, vocab_size):
-    """Number of tokens in a .bin, after checking its size and (one chunked scan) that every id is
-    below vocab_size."""
-    n = bin_tokens(path, dtype)
-    if n:
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-        top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, n, 1 << 24))
-        if top >= vocab_size:
-            raise InputError(f"{path}: max token id {top} but vocab_size is {vocab_size} (wrong "
-                             f"tokenizer or corrupt)")
-    return n
 
 
 def check_inputs(paths):
@@ -619,14 +700,28 @@ def make_writable_dir(folder, out):
 
 def write_file(path, text):
     """Write text through a temporary file renamed into place: a reader, or a full disk, never
-    leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    leaves half a file; the name is this process's own, so two writers never share it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise InputError(f"{path}: cannot write ({e.strerror or e}); nothing was written") from None
+
+
+TEMP_FOLDER = re.compile(r"\.prepare-\d+-[0-9a-f]{8}")  # where one prepare writes: pid and random
+
+
+def remove_temp_folder(folder):
+    """A prepare's own folder: the files it writes there, then the folder if nothing else is
+    there."""
+    if folder.is_dir() and not folder.is_symlink():
+        for path in folder.iterdir():
+            if path.suffix in (".tokens", ".bin") or path.name == "meta.json":
+                path.unlink(missing_ok=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def progress(total, desc):
@@ -673,9 +768,14 @@ def train_tokenizer(inputs, vocab_size, out, field="text"):
 
 def parse_mix(text):
     try:
-        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+        pairs = [(k.strip(), float(v)) for k, v in (item.split("=") for item in text.split(","))]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected name=weight,name=weight") from None
+    names = [k for k, _ in pairs]
+    twice = sorted({k for k in names if names.count(k) > 1})
+    if twice:  # a dict would keep the last weight alone
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(twice)} given more than once")
+    return dict(pairs)
 
 
 def make_parser():

@@ -266,6 +266,8 @@ class RunDir:
                 _remove_file(path)
             self._remove(tmp)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:200]}"
+            culprit = isinstance(e, OSError) and (e.filename2 or e.filename)  # a folder at a top-level name, say
+            reason = f"{culprit}: {reason}" if culprit else reason
             raise InputError(f"could not write the checkpoint of step {step} in {self.checkpoints}: {reason}; "
                              f"{intact}") from None
         folder = self._place(tmp, step)

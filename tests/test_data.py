@@ -1,6 +1,9 @@
 """data.py: tokenizer parity with Hugging Face `tokenizers`, prepare, the loader's order, masks, resume, bad inputs."""
 import json
+import os
 import random
+import re
+import shutil
 import unicodedata
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import data
 from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 from machinery import tokenizer as tok
 from machinery.cli import InputError, run
+from machinery.rundir import hold_lock, release_lock
 
 CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]
 TRICKY = ([" " * n + "x" for n in range(1, 31)] + ["a" + " " * n + "b" for n in range(1, 31)] + [
@@ -326,6 +330,8 @@ def test_prepare_mix(tmp_path):
     assert abs(train["per_source"]["small"]["tokens"] / train["tokens"] - 0.4) < 0.02
     assert train["per_source"]["small"]["documents"] > 2 * 39  # repeated more than twice
     assert meta["splits"]["val"] == plain["splits"]["val"]  # validation chosen before mixing, never repeated
+    huge = data.prepare([big, small], "bytes", tmp_path / "huge", mix={"big": 0.6e308, "small": 0.4e308}, seed=1)
+    assert huge["splits"] == meta["splits"]  # only the ratio counts: weights whose sum overflows are no special case
     with pytest.raises(InputError, match="big.*small"):
         data.prepare([big, small], "bytes", tmp_path / "bad", mix={"big": 1.0, "other": 1.0})
 
@@ -348,6 +354,93 @@ def test_parquet_input(tmp_path):
         data.prepare([path], "bytes", tmp_path / "out", field="n")
     with pytest.raises(InputError, match="rows.parquet: no column 'body'"):
         data.prepare([path], "bytes", tmp_path / "out", field="body")
+
+
+def folder(path):
+    """{name: bytes} of the files in a folder, and the names of the others (folders, links)."""
+    return {p.name: p.read_bytes() if p.is_file() and not p.is_symlink() else None for p in Path(path).iterdir()}
+
+
+def prepare_cli(inputs, out, capsys):
+    """(exit status, stderr) of `data.py prepare` in this process."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(data.main, ["prepare", "--input", *map(str, inputs), "--tokenizer", "bytes", "--out", str(out),
+                        "--workers", "1"])
+        raise SystemExit(0)
+    return e.value.code, capsys.readouterr().err
+
+
+def two_corpora(tmp_path):
+    """Two inputs and, prepared one after the other, the folder each gives."""
+    rng = random.Random(6)
+    inputs = [write_jsonl(tmp_path / f"{name}.jsonl", [words(rng, 60) for _ in range(n)])
+              for name, n in (("a", 300), ("b", 500))]
+    for path in inputs:
+        data.prepare([path], "bytes", tmp_path / f"ref-{path.stem}", workers=1)
+    return inputs, [folder(tmp_path / f"ref-{path.stem}") for path in inputs]
+
+
+def test_a_prepare_into_a_folder_another_prepare_writes_is_refused(tmp_path, capsys):
+    (a, b), (ref_a, ref_b) = two_corpora(tmp_path)
+    out = tmp_path / "out"
+    data.prepare([a], "bytes", out, workers=1)
+    running = hold_lock(out / ".lock", "busy")  # what a prepare holds from its first token to its last rename
+    code, err = prepare_cli([b], out, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --out={out}: another data.py prepare is "
+                                                                  f"writing there"), err
+    release_lock(running)
+    assert folder(out) == ref_a  # the running one's corpus, whole: no file of b, no meta.json deleted
+    assert prepare_cli([b], out, capsys)[0] == 0
+    assert folder(out) == ref_b  # replaced whole once the folder is free
+
+
+def test_two_prepares_at_once_leave_one_whole_corpus(tmp_path):
+    (a, b), refs = two_corpora(tmp_path)
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "data.py"), "prepare", "--input", str(path), "--tokenizer",
+                               "bytes", "--out", str(out), "--workers", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for path in (a, b)]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    for code, err in results:  # the second to start while the first writes is refused; otherwise both finish
+        assert code == 0 or code == 2 and "another data.py prepare is writing there" in err.splitlines()[-1], err
+    assert any(code == 0 for code, _ in results) and folder(out) in refs
+    data.Loader(out, "train", 64, 4, 2)  # its files match its meta.json
+
+
+def test_a_killed_prepare_leaves_no_folder_that_looks_prepared_and_is_cleaned_up(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").write_text("")  # a kill leaves the file, never the lock: the kernel releases it
+    for name, files in ((".prepare-4242-0123abcd", ["a.tokens", "train.bin", "meta.json"]),
+                        (".prepare-4243-89abcdef", ["val.bin", "notes.txt"])):
+        (out / name).mkdir()
+        for f in files:
+            (out / name / f).write_text("partial")
+    seen, tokenize = [], data.tokenize_source
+    monkeypatch.setattr(data, "tokenize_source", lambda *a: seen.append(a[4]) or tokenize(*a))
+    data.prepare([write_jsonl(tmp_path / "c.jsonl", ["one text", "another text"])], "bytes", out, workers=1)
+    assert re.fullmatch(rf"\.prepare-{os.getpid()}-[0-9a-f]{{8}}", seen[0].parent.name)  # this process's own name
+    assert folder(out).keys() == {"meta.json", "train.bin", "val.bin", ".prepare-4243-89abcdef"}
+    assert folder(out / ".prepare-4243-89abcdef") == {"notes.txt": b"partial"}  # not a file a prepare writes
+    data.Loader(out, "train", 4, 1, 1)
+    # a kill between the first step of the publish (meta.json removed) and its last leaves no meta.json
+    original = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if str(dst).endswith("val.bin") else original(src, dst))
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare([tmp_path / "c.jsonl"], "bytes", out, workers=1)
+    with pytest.raises(InputError, match="meta.json: missing"):
+        data.load_meta(out)
+
+
+def test_write_file_uses_a_name_of_its_own(tmp_path, monkeypatch):
+    names, original = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: names.append(Path(src).name) or original(src, dst))
+    data.write_file(tmp_path / "tok.json", "{}")
+    assert re.fullmatch(rf"\.tok\.json\.tmp-{os.getpid()}-[0-9a-f]{{8}}", names[0])
+    assert sorted(os.listdir(tmp_path)) == ["tok.json"]
 
 
 @pytest.mark.slow  # builds the demo from scratch, as test_train does through train.py
@@ -583,18 +676,43 @@ def test_missing_files(tmp_path):
         data.load_tokenizer(tmp_path / "nope.json")
 
 
-def test_bad_bin_files(byte_data, tmp_path):
+def test_every_id_a_batch_holds_is_below_the_vocabulary(byte_data, tmp_path):
+    """The open reads a sample of ids; an id above the vocabulary anywhere else stops the batch that holds it,
+    naming the file and its tokens. (The table of damaged files is in test_data_inputs.py.)"""
     bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "meta.json").write_bytes((byte_data / "meta.json").read_bytes())
-    (bad / "train.bin").write_bytes(b"\x00" * 4097)
-    with pytest.raises(InputError, match=r"train.bin: size 4097 bytes is not a multiple of uint16"):
-        loader(bad)
-    np.array([1, 2, 300, 4] * 1024, dtype=np.uint16).tofile(bad / "train.bin")
-    with pytest.raises(InputError, match=r"train.bin: max token id 300 but vocab_size is 260"):
-        loader(bad)
+    shutil.copytree(byte_data, bad)
+    tokens = np.fromfile(bad / "train.bin", dtype=np.uint16)
+    sampled = set(data.sample_positions(len(tokens)).tolist())
+    at = next(p for p in range(len(tokens) // 2, len(tokens)) if p not in sampled)
+    tokens[at] = 300
+    tokens.tofile(bad / "train.bin")
+    ordered = loader(bad, data_seed=None)  # file order: window w holds tokens [1024 w, 1024 (w + 1))
+    with pytest.raises(InputError) as e:
+        for _ in range(ordered.n_windows):
+            ordered.next()
+    start = at // 1024 * 1024
+    assert str(e.value) == f"{bad / 'train.bin'}: id 300 in tokens {start} to {start + 1023}, above the vocabulary " \
+                           f"of 260 (a file of another tokenizer or dtype?)"
+    assert ordered.sequence == start // 1024 // 8 * 8  # the batches before it were served
     with pytest.raises(InputError, match=r"val.bin: seq_len 1000000 is longer than the data \(\d+ tokens\)"):
         loader(byte_data, split="val", seq_len=1_000_000)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: os.truncate(d / "train.bin", 1000), r"train.bin: no longer holds its \d+ tokens: it was cut"),
+    (lambda d: shutil.copy(d / "val.bin", d / "train.bin"), r"train.bin: no longer holds its \d+ tokens"),
+    (lambda d: shutil.copy(d / "train.bin", d / "new.bin") and os.replace(d / "new.bin", d / "train.bin"),
+     r"train.bin: replaced after this run checked it"),
+], ids=["cut", "overwritten shorter", "replaced"])
+def test_a_token_file_changed_during_a_run_stops_the_next_batch(byte_data, tmp_path, change, expected):
+    d = tmp_path / "d"
+    shutil.copytree(byte_data, d)
+    running = loader(d)
+    running.next()
+    change(d)
+    with pytest.raises(InputError, match=expected):
+        for _ in range(running.n_windows):  # a cut may spare the first windows
+            running.next()
 
 
 def test_tokenizer_mismatch(byte_data, trained):

@@ -3,7 +3,9 @@ before any tokenizing; meta.json and tokenizer.json are checked for structure an
 a loader state read from a checkpoint is checked field by field; a real full disk leaves nothing behind."""
 import json
 import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,7 +121,19 @@ CASES = [
      ["t.json", "not valid JSON"]),
     ("tokenizer vocab id a bool", lambda t: ["--tokenizer", byte_tokenizer_with(
         lambda c: c["model"]["vocab"].update(a=True))(t)], ["odd.json", "model.vocab"]),
+    # --mix weights that whole documents cannot reach, or that the parser would merge
+    ("mix starves a source", lambda t: ["--input", t / "corpus.jsonl", long_documents(t), "--mix",
+                                        "corpus=1e-12,long=1"], ["--mix corpus=1e-12", "less than one document"]),
+    ("mix 1e308 against 1", lambda t: ["--input", t / "corpus.jsonl", long_documents(t), "--mix",
+                                       "corpus=1,long=1e308"], ["--mix corpus=1", "train would hold none"]),
+    ("mix subnormal against 1", lambda t: ["--input", t / "corpus.jsonl", long_documents(t), "--mix",
+                                           "corpus=5e-324,long=1"], ["--mix corpus=4.94066e-324"]),
+    ("mix a name twice", lambda t: ["--mix", "corpus=1,corpus=0"], ["--mix", "corpus given more than once"]),
 ]
+
+
+def long_documents(tmp):
+    return write_jsonl(tmp / "long.jsonl", [f"a long document {i} " * 300 for i in range(10)])
 
 # texts that JSON or a file allows and Unicode text does not: (case, input file, its bytes, words of the error)
 BAD_TEXTS = [
@@ -232,6 +246,171 @@ def test_bad_meta(case, edit, expected, prepared, tmp_path):
     with pytest.raises(InputError) as e:
         data.load_meta(tmp_path)
     assert "meta.json" in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def tokens_of(d, split):
+    return np.fromfile(d / f"{split}.bin", dtype=np.uint16)
+
+
+def cut(split, keep):
+    """The first `keep` share of a split's bytes: a copy interrupted part way."""
+    def damage(d):
+        size = (d / f"{split}.bin").stat().st_size
+        os.truncate(d / f"{split}.bin", int(size * keep))
+    return damage
+
+
+def rewrite(split, change):
+    """The split's tokens after change(tokens) (which may return another array), written back."""
+    def damage(d):
+        tokens = tokens_of(d, split)
+        tokens = change(tokens) if change(tokens.copy()) is not None else tokens
+        (d / f"{split}.bin").unlink()
+        tokens.tofile(d / f"{split}.bin")
+    return damage
+
+
+def set_at(position, value):
+    def change(tokens):
+        tokens[position] = value
+        return tokens
+    return change
+
+
+def meta_edit(edit):
+    def damage(d):
+        meta = json.loads((d / "meta.json").read_text())
+        edit(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return damage
+
+
+def as_uint32_meta(d):
+    """meta.json saying uint32 over a file of uint16 ids: pairs of ids read as one."""
+    n = len(tokens_of(d, "train")) // 2 * 2
+    os.truncate(d / "train.bin", 2 * n)
+    meta_edit(lambda m: (m.update(dtype="uint32"), m["splits"]["train"].update(tokens=n // 2)))(d)
+
+
+def replace_by(kind):
+    def damage(d):
+        (d / "train.bin").unlink()
+        if kind == "folder":
+            (d / "train.bin").mkdir()
+        elif kind == "broken link":
+            os.symlink(d / "gone.bin", d / "train.bin")
+        elif kind == "fifo":
+            os.mkfifo(d / "train.bin")
+    return damage
+
+
+def add_tokens(split, n):
+    def damage(d):
+        with open(d / f"{split}.bin", "ab") as f:
+            f.write(np.full(n, 65, np.uint16).tobytes())
+    return damage
+
+
+BIN_CASES = [  # (case, what is done to a prepared folder, the split read, the words of the one error line)
+    ("train.bin cut to half", cut("train", 0.5), "train",
+     ["train.bin holds", "meta.json says", "tokens of uint16", "an interrupted copy?"]),
+    ("val.bin cut by one byte", cut("val", 0.9999), "val", ["val.bin holds", "an interrupted copy?"]),
+    ("train.bin empty", cut("train", 0), "train", ["train.bin holds 0 bytes", "an interrupted copy?"]),
+    ("train.bin extended", add_tokens("train", 100), "train", ["train.bin holds", "appended to"]),
+    ("val.bin with one more byte", lambda d: open(d / "val.bin", "ab").write(b"x"), "val",
+     ["val.bin holds", "appended to"]),
+    ("train.bin of uint32 ids", rewrite("train", lambda t: t.astype(np.uint32)), "train",
+     ["train.bin holds", "tokens of uint32: written with another dtype?"]),
+    ("meta.json says uint32 over uint16 ids", as_uint32_meta, "train",
+     ["train.bin: ids up to", "above the vocabulary of 260", "another tokenizer or dtype"]),
+    ("an id above the vocabulary at the last token", rewrite("train", set_at(-1, 300)), "train",
+     ["train.bin: ids up to 300 at sample positions", "vocabulary of 260"]),
+    ("ids of a larger tokenizer", rewrite("val", lambda t: t + 40_000), "val",
+     ["val.bin: ids up to 40", "vocabulary of 260", "another tokenizer"]),
+    ("train.bin missing", lambda d: (d / "train.bin").unlink(), "train", ["train.bin: not found", "says it holds"]),
+    ("val.bin missing", lambda d: (d / "val.bin").unlink(), "val", ["val.bin: not found", "says it holds"]),
+    ("train.bin a folder", replace_by("folder"), "train", ["train.bin: not found or not a file"]),
+    ("train.bin a broken link", replace_by("broken link"), "train", ["train.bin: not found"]),
+    ("train.bin a named pipe", replace_by("fifo"), "train", ["train.bin: not found or not a file"]),
+    ("train.bin swapped with val.bin", lambda d: os.replace(d / "val.bin", d / "train.bin"), "train",
+     ["train.bin holds", "an interrupted copy?"]),
+    ("meta.json train tokens plus one", meta_edit(lambda m: m["splits"]["train"].update(
+        tokens=m["splits"]["train"]["tokens"] + 1)), "train", ["train.bin holds", "an interrupted copy?"]),
+    ("meta.json val tokens minus ten", meta_edit(lambda m: m["splits"]["val"].update(
+        tokens=m["splits"]["val"]["tokens"] - 10)), "val", ["val.bin holds", "appended to"]),
+    ("meta.json tokens a string", meta_edit(lambda m: m["splits"]["train"].update(tokens="9")), "train",
+     ["meta.json: expected splits train and val", "'9'"]),
+    ("meta.json tokens negative", meta_edit(lambda m: m["splits"]["val"].update(tokens=-2)), "val",
+     ["meta.json: expected splits", "-2"]),
+    ("meta.json tokens a boolean", meta_edit(lambda m: m["splits"]["val"].update(tokens=True)), "val",
+     ["meta.json: expected splits", "True"]),
+    ("meta.json tokens 1e30", meta_edit(lambda m: m["splits"]["train"].update(tokens=1e30)), "train",
+     ["meta.json: expected splits"]),
+    ("meta.json without val", meta_edit(lambda m: m["splits"].pop("val")), "train", ["meta.json: expected splits"]),
+    ("meta.json splits a list", meta_edit(lambda m: m.update(splits=[1, 2])), "train",
+     ["meta.json: expected splits"]),
+    ("meta.json vocab_size a string", meta_edit(lambda m: m.update(vocab_size="260")), "train",
+     ["meta.json: expected vocab_size an integer", "'260'"]),
+    ("meta.json mask_id a string", meta_edit(lambda m: m.update(mask_id="259")), "train",
+     ["meta.json: expected cls/sep/pad/mask_id"]),
+]
+
+
+@pytest.mark.parametrize("case, damage, split, expected", BIN_CASES, ids=[c[0] for c in BIN_CASES])
+def test_token_files_are_checked_against_meta_json(case, damage, split, expected, prepared, tmp_path):
+    """Whatever reads a split (train.py's Loader, eval.py mlm's count_windows, bench.py's Loader) stops with one
+    line naming the file and what differs, before a step."""
+    d = tmp_path / "d"
+    shutil.copytree(prepared, d)
+    damage(d)
+    readers = [lambda: data.Loader(d, split, 64, 4, 2), lambda: data.count_windows(d, split, 64)]
+    if split == "val":  # train.py's validation
+        readers.append(lambda: list(data.val_batches(d, 64, 2, 2, "mlm")))
+    for read in readers:
+        with pytest.raises(InputError) as e:
+            read()
+        message = str(e.value)
+        assert "\n" not in message and all(w in message for w in expected), message
+
+
+def test_good_token_files_pass_the_same_checks(prepared, tmp_path):
+    """The table's folder is valid, so every failure above is due to its one change; a file written again with the
+    same ids, and ids at the top of the vocabulary, still load."""
+    d = tmp_path / "d"
+    shutil.copytree(prepared, d)
+    rewrite("train", set_at(-1, 259))(d)
+    meta = data.load_meta(d)
+    for split in ("train", "val"):
+        n = meta["splits"][split]["tokens"]
+        assert data.count_windows(d, split, 64) == n // 64 == data.Loader(d, split, 64, 4, 2).n_windows
+    x, y = data.Loader(d, "train", 64, 4, 2).next()
+    assert x.shape == y.shape == (2, 64)
+
+
+def test_train_and_eval_stop_on_a_damaged_token_file_with_one_line(prepared, tmp_path, capsys):
+    import eval as evaluate
+    import train
+    from conftest import tiny_model
+    threads = torch.get_num_threads()
+    for split in ("train", "val"):
+        d = tmp_path / split
+        shutil.copytree(prepared, d)
+        cut(split, 0.5)(d)
+        tiny_model().save_pretrained(str(tmp_path / "model"))
+        for main, argv in [
+                (train.main, [f"--data={d}", f"--out_dir={tmp_path / 'out' / split}", "--preset=tiny", "--seq_len=64",
+                              "--batch_size=4", "--micro_batch_size=2", "--compile=false", "--eval_sequences=2",
+                              "--tokens=1024", "--threads=1"]),
+                (evaluate.main, ["mlm", str(tmp_path / "model"), "--data", str(d), "--seq_len=64",
+                                 "--n_sequences=2", "--threads=1"])]:
+            if main is evaluate.main and split == "train":
+                continue  # eval.py mlm reads val.bin alone
+            with pytest.raises(SystemExit) as e:
+                run(main, argv)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+            assert f"{d / split}.bin holds" in err and "an interrupted copy?" in err, err
+    torch.set_num_threads(threads)
 
 
 def test_count_windows_is_the_loaders(prepared):

@@ -295,6 +295,19 @@ def test_what_a_user_does_to_the_top_level_files_never_reaches_a_checkpoint(stop
     assert shared_inodes(out) == []
 
 
+def test_a_folder_of_the_user_at_a_top_level_name_stops_the_save_and_is_kept(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    os.remove(tmp_path / "run" / "model.safetensors")
+    (tmp_path / "run" / "model.safetensors").mkdir()
+    (tmp_path / "run" / "model.safetensors" / "mine.txt").write_text("mine")
+    before = tree(tmp_path / "run")
+    with pytest.raises(InputError) as e:
+        save(run, 2)
+    assert f"{run.path}/model.safetensors: Is a directory; the previous checkpoint " in str(e.value)
+    assert tree(tmp_path / "run") == before and leftovers(run) == []
+
+
 @pytest.mark.parametrize("how", ["copies", *sorted(errno.errorcode[e] for e in rundir.NO_COPY_FILE_RANGE),
                                  "stops part way", "absent"])
 def test_a_copy_is_a_file_of_its_own_whatever_the_file_system_supports(tmp_path, monkeypatch, how):
@@ -407,7 +420,7 @@ def count_calls(monkeypatch, name, fail_at=None):
 
 
 @pytest.mark.parametrize("new_step", [2, 1], ids=["next-step", "same-step-again"])
-@pytest.mark.parametrize("call", ["replace", "rename", "fsync", "remove"])
+@pytest.mark.parametrize("call", ["replace", "rename", "fsync", "remove", "copy_file_range"])
 def test_a_kill_at_every_call_of_a_save_leaves_one_complete_checkpoint(tmp_path, monkeypatch, call, new_step):
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability needs a power cut to observe; calls still count
     base = tmp_path / "base"
