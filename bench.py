@@ -37,7 +37,9 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, autocast, pick_device, pick_threads, positive_int, run
+from machinery.cli import (InputError, Parser, autocast, check_writable, out_of_memory, pick_device, pick_threads,
+                           positive_int, run)
+from machinery.flags import MIN_SEQ_LEN
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared"
@@ -46,6 +48,7 @@ SUITE = "python -m pytest -m gpu -rA"
 BENCH = "python bench.py train --device=cuda"
 GPU_DEFAULTS = dict(presets=["base"], seq_lens=[1024, 8192], micro_tokens=[32768])
 CPU_DEFAULTS = dict(presets=["tiny", "base"], seq_lens=[256], micro_tokens=[512])
+LOADER_SEQ_LEN = 8192  # the data bench's loader reads the paper's sequences
 
 
 def timed(fn, repeats):
@@ -64,36 +67,43 @@ def bench_data(args):
 
     import data
 
+    texts = [text for text, _ in data.read_documents(args.corpus)]  # prepare's reader: its errors, by line
     torch.set_num_threads(args.threads)
-    texts = [json.loads(line)["text"] for line in open(args.corpus, encoding="utf-8")]
     mb = sum(len(t.encode()) for t in texts) / 1e6
-    print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB of text; {args.threads} threads, "
-          f"median of {args.repeats}")
-
-    ours, hf = data.load_tokenizer(args.tokenizer), HFTokenizer.from_file(str(args.tokenizer))
-    t_ours, ids_ours = timed(lambda: ours.encode_batch(texts, num_threads=args.threads), args.repeats)
-    t_one, _ = timed(lambda: ours.encode_batch(texts, num_threads=1), args.repeats)
-    t_hf, ids_hf = timed(lambda: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)], args.repeats)
-    same = sum(a == b for a, b in zip(ids_ours, ids_hf))
-    print(f"encode_batch  data.py {mb / t_ours:6.2f} MB/s ({mb / t_one:.2f} on 1 thread) | HF tokenizers "
-          f"{mb / t_hf:6.2f} MB/s | ratio {t_hf / t_ours:.2f}x | identical ids {same}/{len(texts)}")
-
     with tempfile.TemporaryDirectory() as tmp:
-        t_prep, meta = timed(lambda: data.prepare([args.corpus], str(args.tokenizer), Path(tmp) / "d",
-                                                  workers=args.threads), args.repeats)
-        print(f"prepare       {mb / t_prep:6.2f} MB/s of text end to end ({meta['splits']['train']['tokens']:,} "
-              f"train tokens)")
+        # prepare first: its checks of the corpus (documents enough for both splits) come before any timing
+        try:
+            t_prep, meta = timed(lambda: data.prepare([args.corpus], str(args.tokenizer), Path(tmp) / "d",
+                                                      workers=args.threads), args.repeats)
+        except InputError as e:
+            raise InputError(f"--corpus={args.corpus}: data.py prepare refuses it: {e}") from None
+        train_tokens = meta["splits"]["train"]["tokens"]
+        if train_tokens < LOADER_SEQ_LEN:
+            raise InputError(f"--corpus={args.corpus}: {train_tokens:,} train tokens, fewer than one "
+                             f"{LOADER_SEQ_LEN:,}-token sequence of the loader's bench; give a larger corpus")
+        print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB of text; {args.threads} threads, "
+              f"median of {args.repeats}")
+
+        ours, hf = data.load_tokenizer(args.tokenizer), HFTokenizer.from_file(str(args.tokenizer))
+        t_ours, ids_ours = timed(lambda: ours.encode_batch(texts, num_threads=args.threads), args.repeats)
+        t_one, _ = timed(lambda: ours.encode_batch(texts, num_threads=1), args.repeats)
+        t_hf, ids_hf = timed(lambda: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)],
+                             args.repeats)
+        same = sum(a == b for a, b in zip(ids_ours, ids_hf))
+        print(f"encode_batch  data.py {mb / t_ours:6.2f} MB/s ({mb / t_one:.2f} on 1 thread) | HF tokenizers "
+              f"{mb / t_hf:6.2f} MB/s | ratio {t_hf / t_ours:.2f}x | identical ids {same}/{len(texts)}")
+        print(f"prepare       {mb / t_prep:6.2f} MB/s of text end to end ({train_tokens:,} train tokens)")
 
         # the loader on one core, as each training process has its own
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         torch.set_num_threads(1)
-        loader = data.Loader(Path(tmp) / "d", seq_len=8192, batch_size=4, micro_batch_size=4, objective="mlm",
-                             mask_rate=0.3)
+        loader = data.Loader(Path(tmp) / "d", seq_len=LOADER_SEQ_LEN, batch_size=4, micro_batch_size=4,
+                             objective="mlm", mask_rate=0.3)
         n = 20
         t_load, _ = timed(lambda: [loader.next() for _ in range(n)], args.repeats)
-        print(f"Loader        {n * 4 * 8192 / t_load / 1e6:6.2f} M tokens/s (MLM 30%, 4 x 8192 per micro-batch, "
-              f"{t_load / n * 1e3:.1f} ms each, one core)")
+        print(f"Loader        {n * 4 * LOADER_SEQ_LEN / t_load / 1e6:6.2f} M tokens/s (MLM 30%, 4 x "
+              f"{LOADER_SEQ_LEN} per micro-batch, {t_load / n * 1e3:.1f} ms each, one core)")
 
 
 # ----------------------------------------------------------------------------
@@ -101,14 +111,17 @@ def bench_data(args):
 
 
 def batch(vocab, micro, seq_len, phase, device, seed=0):
-    """Random ids and labels: MLM labels 30% of positions, CLM labels the next token."""
+    """Random ids and labels: MLM labels 30% of positions (and the first of a sequence that drew none: a loss
+    over no label is 0 for ours and NaN for the peer), CLM labels the next token."""
     import torch
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab - 100, (micro, seq_len), generator=g)  # the top ids are the special tokens
     if phase == "clm":
         y = torch.cat([x[:, 1:], torch.full((micro, 1), -100)], 1)
     else:
-        y = torch.where(torch.rand(micro, seq_len, generator=g) < 0.3, x, -100)
+        chosen = torch.rand(micro, seq_len, generator=g) < 0.3
+        chosen[:, 0] |= ~chosen.any(1)
+        y = torch.where(chosen, x, -100)
     return x.to(device), y.to(device)
 
 
@@ -204,25 +217,22 @@ def measure(args, preset, phase, seq_len, micro):
                 p.grad = None
         return step
 
-    try:
-        results = interleaved([training_step(ours, ours_opt, forwards["ours"]),
-                               training_step(peer, peer_opt, forwards["peer"])], device, args.warmup, args.steps)
-    except torch.cuda.OutOfMemoryError:
-        results = ["OOM", "OOM"]
+    results = interleaved([training_step(ours, ours_opt, forwards["ours"]),
+                           training_step(peer, peer_opt, forwards["peer"])], device, args.warmup, args.steps)
     flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
     peak = peak_flops(device)
     for name, result, resident in (("ours", results[0], ours_resident), ("peer", results[1], peer_resident)):
-        if result == "OOM":
-            row[name] = "OOM"
-            continue
         seconds, memory = result
         row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3,
                          memory_gb=(resident + memory) / 2**30 if device.type == "cuda" else None,
                          mfu=flops * micro * seq_len / seconds / peak if peak else None)
-    del ours, peer, ours_opt, peer_opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
+
+
+def out_of_memory_row(args, preset, phase, seq_len, micro):
+    """The row of a setting that did not fit: its sizes, and OOM where the numbers would be."""
+    return dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len, backend="-",
+                peer_attention=args.peer_attention, ours="OOM", peer="OOM", loss_ours=None, loss_peer=None)
 
 
 def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
@@ -270,9 +280,24 @@ def bench_train(args, rows=None):
         for seq_len in args.seq_lens:
             for phase in args.phases:
                 for tokens in args.micro_tokens:
-                    row = measure(args, preset, phase, seq_len, max(1, tokens // seq_len))
+                    micro = max(1, tokens // seq_len)
+                    try:
+                        row = measure(args, preset, phase, seq_len, micro)
+                    except Exception as e:  # a row too large for the device: the sweep goes on
+                        if not out_of_memory(e):
+                            raise
+                        row = out_of_memory_row(args, preset, phase, seq_len, micro)
+                    if args.device.type == "cuda":
+                        torch.cuda.empty_cache()  # what the row's models and batch held
                     rows.append(row)
                     print(format_row(row), flush=True)
+    too_large = [f"{r['preset']} {r['phase']} {r['micro']} x {r['seq_len']}" for r in rows if r["ours"] == "OOM"]
+    if too_large:
+        message = (f"out of memory on {args.device} in {len(too_large)} of {len(rows)} rows ({', '.join(too_large)} "
+                   f"tokens): lower --micro_tokens or --seq_lens, or choose smaller --presets")
+        if len(too_large) == len(rows):
+            raise InputError(message)
+        print(f"note: {message}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
@@ -291,10 +316,14 @@ def ratio(r):
     return f"{r['ours']['tokens_per_s'] / r['peer']['tokens_per_s']:.2f}x" if both else "-"
 
 
+def loss(value):
+    return "-" if value is None else f"{value:.4f}"
+
+
 def format_row(r):
     ours, peer = ("{:>11} {:>6} {:>6}".format(*cells(r[k])) for k in ("ours", "peer"))
     return (f"{r['preset']:6} {r['phase']:5} {r['seq_len']:>5} {r['micro']:>5} {r['backend']:>5} | {ours} | "
-            f"{peer} {r['peer_attention']:>17} | {ratio(r):>6} | {r['loss_ours']:>9.4f} {r['loss_peer']:>9.4f}")
+            f"{peer} {r['peer_attention']:>17} | {ratio(r):>6} | {loss(r['loss_ours']):>9} {loss(r['loss_peer']):>9}")
 
 
 # ----------------------------------------------------------------------------
@@ -347,7 +376,7 @@ def bench_section(rows, args, command, failure=None):
     for r in rows:
         lines.append(f"| {r['preset']} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | "
                      + " | ".join(cells(r["ours"])) + f" | {r['peer_attention']} | " + " | ".join(cells(r["peer"]))
-                     + f" | {ratio(r)} | {r['loss_ours']:.4f} / {r['loss_peer']:.4f} |")
+                     + f" | {ratio(r)} | {loss(r['loss_ours'])} / {loss(r['loss_peer'])} |")
     if failure:
         lines += ["", f"The bench stopped: `{cell(failure, 400)}`"]
     return "\n".join(lines) + "\n"
@@ -423,15 +452,15 @@ def names(known):
     return parse
 
 
-def counts(top=None):
-    """argparse type: a comma-separated list of integers in [1, top]."""
+def counts(top=None, least=1):
+    """argparse type: a comma-separated list of integers in [least, top]."""
     def parse(text):
         try:
             values = [int(v) for v in text.split(",") if v]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        if not values or not all(1 <= v <= (top or v) for v in values):
-            raise argparse.ArgumentTypeError(f"expected integers in [1, {top or 'any'}], got {text}")
+        if not values or not all(least <= v <= (top or v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected integers in [{least}, {top or 'any'}], got {text}")
         return values
     return parse
 
@@ -453,7 +482,8 @@ def parser():
     t.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when there is one")
     t.add_argument("--presets", type=names(PRESETS), help="model sizes; None: base on a GPU, tiny,base on a CPU")
     t.add_argument("--phases", type=names(("clm", "mlm")), default="clm,mlm", help="objectives to time")
-    t.add_argument("--seq_lens", type=counts(8192), help="tokens per sequence; None: 1024,8192 on a GPU, 256 on a CPU")
+    t.add_argument("--seq_lens", type=counts(8192, MIN_SEQ_LEN),
+                   help="tokens per sequence; None: 1024,8192 on a GPU, 256 on a CPU")
     t.add_argument("--micro_tokens", type=counts(),
                    help="tokens per micro-batch, a sweep; None: 32768 on a GPU (the paper's 4 x 8192), 512 on a CPU")
     t.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator warm-up)")
@@ -466,7 +496,7 @@ def parser():
                    help="transformers' attn_implementation (auto: flash_attention_2 where installed, else sdpa)")
     t.add_argument("--json", help="also write the rows to this file")
     d.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus" / "e3c_en_clinical_cases.jsonl",
-                   help="a JSONL file of {\"text\": ...} documents")
+                   help="a .jsonl, .txt or .parquet file of documents, read as data.py prepare reads it")
     d.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "modernbert" / "tokenizer.json",
                    help="a tokenizer.json that data.py loads")
     d.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; the median counts")
@@ -481,32 +511,36 @@ def resolve(args):
     """Check every flag and file and fill the defaults that depend on the machine; InputError names the flag."""
     if args.command == "gpu-report":
         import torch
+        check_writable(args.out, "--out")
         if not torch.cuda.is_available():
             raise InputError("gpu-report needs a CUDA device, and this machine has none (torch.cuda.is_available() "
                              "is False); run it where a GPU is")
-        if not Path(args.out).resolve().parent.is_dir():
-            raise InputError(f"--out={args.out}: its directory does not exist")
         return
     if args.command == "data":
         if not args.corpus.is_file():
-            raise InputError(f"--corpus={args.corpus}: no such file (expected a JSONL file of texts)")
+            raise InputError(f"--corpus={args.corpus}: no such file (expected a .jsonl, .txt or .parquet file of "
+                             f"texts, as data.py prepare reads)")
+        if not args.tokenizer.is_file():  # the peer reads a file: no hub id, no 'bytes'
+            raise InputError(f"--tokenizer={args.tokenizer}: no such file (expected a tokenizer.json)")
         import data
+        from tokenizers import Tokenizer as HFTokenizer
         try:
             data.load_tokenizer(args.tokenizer)
-        except (OSError, ValueError) as e:
+            HFTokenizer.from_file(str(args.tokenizer))
+        except Exception as e:  # OSError, ValueError, InputError, and the Rust library's own exception
             raise InputError(f"--tokenizer={args.tokenizer}: not a usable tokenizer "
                              f"({(str(e).splitlines() or [''])[0][:200]})") from None
         return
     args.device = pick_device(args.device, flag="--device")
     from model import pick_backend
     try:
-        pick_backend(args.device, args.backend)
+        pick_backend(args.device, args.backend, training=True)
     except ValueError as e:
         raise InputError(f"--backend={args.backend}: {e}") from None
     if args.warmup < 0:
         raise InputError(f"--warmup={args.warmup}: expected 0 or more")
-    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
-        raise InputError(f"--json={args.json}: its directory does not exist")
+    if args.json is not None:
+        check_writable(args.json, "--json")
     for key, value in (GPU_DEFAULTS if args.device.type == "cuda" else CPU_DEFAULTS).items():
         setattr(args, key, getattr(args, key) or value)
     if args.compile is None:

@@ -13,7 +13,6 @@ printed at start: a fresh model; weights only (a Hugging Face checkpoint, or a r
 position); or --resume (everything, bit for bit). Importing this file has no side effects.
 """
 import dataclasses
-import datetime
 import math
 import os
 import sys
@@ -29,7 +28,7 @@ from machinery import cli, curves, flags, progress
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, code_version, rng_state, set_rng_state
-from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig
+from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
 # Configuration: the paper's recipe as typed defaults. `--help` prints these comments.
@@ -42,7 +41,7 @@ class Config:
     phase: str = "mlm"  # a row of PHASES: mlm (the baseline) | clm (the detour) | decay
     init_from: str = "scratch"  # scratch | a Hugging Face directory or hub id | a run of ours
     weights_only: bool = False  # a run of ours as weights alone: fresh optimizer and data position
-    preset: str = "base"  # the architecture from scratch: tiny | mini | small | base | large
+    preset: str = "base"  # a fresh model's architecture: tiny | mini | small | base | large
     data: str = ""  # a directory written by `python data.py prepare`
     out_dir: str = ""  # default out/<phase> (paper), out/<recipe>-<phase> (the others)
     resume: bool = False  # continue out_dir exactly where it stopped
@@ -258,7 +257,7 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
 # Where a run starts: decided, checked and printed in one place.
 
 
-def start_point(given, master, world):
+def start_point(given, master, world, local_world):
     """(how, cfg, state, run_dir): how the run starts, its checked configuration, the state it
     starts from (None: a fresh model or a Hugging Face one), and rank 0's run directory."""
     init_from, out_dir = given.get("init_from", Config.init_from), given.get("out_dir", "")
@@ -270,6 +269,9 @@ def start_point(given, master, world):
         how = "weights" if given.get("weights_only") else "handoff"
     else:
         how = "weights"  # a Hugging Face checkpoint
+    if given.get("weights_only") and how == "fresh":
+        raise cli.InputError("--weights_only takes the weights of --init_from=<a run of ours>; a fresh model has "
+                             "none to take")
     run_dir = state = None
     if how == "resume":
         if not RunDir.is_run(out_dir):
@@ -289,8 +291,14 @@ def start_point(given, master, world):
                 raise cli.InputError(f"--init_from={init_from}: that run has no complete "
                                      f"checkpoint yet")
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
+        if "preset" in given and how != "fresh":  # weights keep their shape: only the checkpoint's own
+            config = read_config(os.path.join(checkpoint_dir(cfg, state), "config.json"))
+            flags.check_preset(given["preset"], config, cfg.init_from, PRESETS)
+        if how == "handoff":
+            flags.check_handoff(cfg, state["config"])
     flags.check_start(cfg, how, state, Config)  # the chain of phases, checkpoint, device, backend
     flags.check(cfg, CHOICES, world)
+    cfg.threads = cli.pick_threads(cfg.threads, local_world)
     if master and how != "resume":
         run_dir = RunDir.create(cfg.out_dir)
         run_dir.lock()
@@ -311,17 +319,20 @@ def schedule_start(cfg, how, state):
     return state["schedule_tokens_done"]
 
 
+def checkpoint_dir(cfg, state):
+    """The folder a run takes its config.json and weights from: one of our runs' newest complete checkpoint,
+    or a Hugging Face directory or hub id."""
+    if state is not None:
+        return state["dir"]
+    try:
+        return resolve_checkpoint(cfg.init_from)
+    except cli.InputError as e:
+        raise cli.InputError(f"--init_from={cfg.init_from}: {e}") from None
+
+
 def build_model(cfg, how, state, meta, device):
     """The model, its configuration checked against the data before any weight is loaded."""
-    if how == "fresh":
-        source = None
-    elif state is not None:  # one of our runs: its newest complete checkpoint
-        source = state["dir"]
-    else:
-        try:
-            source = resolve_checkpoint(cfg.init_from)
-        except cli.InputError as e:
-            raise cli.InputError(f"--init_from={cfg.init_from}: {e}") from None
+    source = None if how == "fresh" else checkpoint_dir(cfg, state)
     if source is None:
         vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
         config = ModernBERTConfig.from_preset(
@@ -360,17 +371,18 @@ def restore(how, state, optimizer, loader, device, rank, world):
 
 
 def init_processes(given):
-    """torchrun sets RANK: one code path for 1 and N processes. Returns (rank, world, device)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    """torchrun's variables, checked: one code path for 1 and N processes, and a process group only where
+    there are others to meet. Returns (rank, world, local_world, device)."""
+    timeout = flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout))
+    rank, world, local_rank, local_world = cli.processes()
     device = cli.pick_device(given.get("device", Config.device), local_rank)
-    if "RANK" in os.environ:
-        timeout = datetime.timedelta(seconds=given.get("ddp_timeout", Config.ddp_timeout))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    if world > 1:
+        with cli.rendezvous(rank, world, timeout):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return rank, world, device
+    return rank, world, local_world, device
 
 
 def all_gather(obj, world):
@@ -408,14 +420,16 @@ class Run:
 
 def setup(given):
     """Everything before the first step: processes, where we start, data, model, optimizer."""
-    rank, world, device = init_processes(given)
-    how, cfg, state, run_dir = start_point(given, rank == 0, world)
-    cfg.threads = cli.pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    rank, world, local_world, device = init_processes(given)
+    how, cfg, state, run_dir = start_point(given, rank == 0, world, local_world)
     torch.set_num_threads(cfg.threads)
     demo = cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"]
     if demo and rank == 0 and not os.path.exists(os.path.join(cfg.data, "meta.json")):
         print(f"{cfg.data} is missing: building the embedded demo corpus")
-        data.prepare_demo(cfg.data)
+        try:
+            data.prepare_demo(cfg.data)
+        except cli.InputError as e:  # its message names data.py's flags, not ours
+            raise cli.InputError(f"--data={cfg.data}: cannot build the demo corpus there ({e})") from None
     all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
     meta = data.load_meta(cfg.data)
     tokenizer = data.load_tokenizer(meta["tokenizer"])
@@ -424,6 +438,8 @@ def setup(given):
     loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, micro, rank, world,
                          cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed, device=device)
     model, source = build_model(cfg, how, state, meta, device)
+    if how != "fresh":  # the checkpoint's architecture, recorded as what it is
+        cfg.preset = flags.preset_of(model.config, PRESETS)
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
     frozen = freeze.frozen_names(model, layers)
@@ -536,7 +552,12 @@ def main(argv=None):
         print(flags.help_text(Config, resolve_config(chosen), __doc__))
         return
     r = setup(given)
-    total_steps, signalled, elapsed = train(r)
+    try:
+        total_steps, signalled, elapsed = train(r)
+    except Exception as e:
+        if not cli.out_of_memory(e):
+            raise
+        raise flags.out_of_memory(e, r) from None
     all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
     if r.rank == 0:
         progress.summary(r, total_steps, signalled, elapsed)

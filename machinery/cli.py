@@ -1,5 +1,6 @@
-"""The command-line layer every script shares: one error type, one parser, one device, thread and autocast
-picker, JSON in and out, a file's SHA-256. A reader of the recipe may skip this file."""
+"""The command-line layer every script shares: one error type, one parser, torchrun's variables checked, one
+device, thread and autocast picker, out-of-memory recognised, output paths checked before the work, JSON in and
+out, a file's SHA-256. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
 import hashlib
@@ -11,7 +12,13 @@ from pathlib import Path
 
 class InputError(ValueError):
     """A bad flag or input file, or a run that cannot go on. `run` prints it as `error: <message>` and exits
-    with status 2, never a traceback: the user made a mistake the message explains."""
+    with status 2, never a traceback: the user made a mistake the message explains. Under torchrun rank 0 alone
+    prints it (every rank meets the same flags and files), unless `every_rank`: an error of this process alone
+    (its rendezvous, its memory)."""
+
+    def __init__(self, message, every_rank=False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def run(main, argv=None):
@@ -20,9 +27,9 @@ def run(main, argv=None):
     try:
         return main(argv)
     except InputError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if e.every_rank or reports_errors():
             print(f"error: {e}", file=sys.stderr, flush=True)
-        e.__traceback__ = None  # drop main()'s frames now: they may hold a run directory's lock
+        e.__traceback__ = e.__context__ = None  # drop main()'s frames now: they may hold a run directory's lock
         raise SystemExit(2) from None
     except RuntimeError as e:  # how gloo and NCCL report a collective that waited past the timeout
         dist = sys.modules.get("torch.distributed")
@@ -37,6 +44,93 @@ def run(main, argv=None):
             import gc
             gc.collect()  # DDP's reducer goes before its process group: gloo aborts if it outlives it
             dist.destroy_process_group()
+
+
+# What torchrun sets in every process it starts: which process it is (RANK, LOCAL_RANK) of how many (WORLD_SIZE,
+# LOCAL_WORLD_SIZE), and where they meet (MASTER_ADDR, MASTER_PORT). The first four make a process one of a job.
+PROCESS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def processes(script="train.py"):
+    """(rank, world, local_rank, local_world) of this process: torchrun's variables, or (0, 1, 0, 1) where none
+    of the first four is set (MASTER_ADDR and MASTER_PORT alone name no job: some clusters export them). A partial
+    or inconsistent set (leftovers of a torchrun job in the shell, a hand-written launch) is an InputError that
+    says what is set, what is wrong and what to run instead, never a traceback or a wait at the rendezvous.
+    One process (WORLD_SIZE=1) meets nobody, so it needs no MASTER_ADDR or MASTER_PORT."""
+    env = {k: os.environ[k] for k in PROCESS_VARIABLES if k in os.environ}
+    if not env.keys() & set(PROCESS_VARIABLES[:4]):
+        return 0, 1, 0, 1
+    numbers = {k: int(v) for k, v in env.items() if k != "MASTER_ADDR" and v.isascii() and v.isdigit()}
+    problem = process_problem(env, numbers)
+    if problem:
+        shown = " ".join(f"{k}={v}" for k, v in env.items())
+        raise InputError(f"the environment sets {shown}: {problem}. Start N processes with `torchrun "
+                         f"--nproc_per_node=N {script} ...` (it sets them all), or run one after `unset "
+                         f"{' '.join(env)}`")
+    world = numbers["WORLD_SIZE"]
+    return numbers["RANK"], world, numbers.get("LOCAL_RANK", 0), numbers.get("LOCAL_WORLD_SIZE", world)
+
+
+def process_problem(env, numbers):
+    """What is wrong with a set of torchrun's variables (`numbers`: those that are whole numbers), or None."""
+    bad = [k for k in env if k != "MASTER_ADDR" and k not in numbers]
+    if bad:
+        return f"{', '.join(bad)} must be {'a whole number' if len(bad) == 1 else 'whole numbers'}"
+    needed = ["RANK", "WORLD_SIZE"] + (["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+                                       if numbers.get("WORLD_SIZE", 1) > 1 else [])
+    missing = [k for k in needed if k not in env]
+    if missing:
+        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    rank, world = numbers["RANK"], numbers["WORLD_SIZE"]
+    local_rank, local_world = numbers.get("LOCAL_RANK", 0), numbers.get("LOCAL_WORLD_SIZE", world)
+    rules = [(rank < world, "RANK must be below WORLD_SIZE"),
+             (1 <= local_world <= world, "LOCAL_WORLD_SIZE must be 1 to WORLD_SIZE"),
+             (local_rank < local_world, "LOCAL_RANK must be below LOCAL_WORLD_SIZE (or WORLD_SIZE)"),
+             (1 <= numbers.get("MASTER_PORT", 1) <= 65535, "MASTER_PORT must be a port, 1 to 65535")]
+    return next((message for ok, message in rules if not ok), None)
+
+
+@contextlib.contextmanager
+def rendezvous(rank, world, timeout, script="train.py"):
+    """Around init_process_group: the others that never came (a complete set of torchrun's variables left in a
+    shell) or a port taken, as one line from each process, never a traceback."""
+    try:
+        yield
+    except RuntimeError as e:  # DistNetworkError, DistStoreError
+        raise InputError(f"rank {rank} of {world} did not meet the others at {os.environ['MASTER_ADDR']}:"
+                         f"{os.environ['MASTER_PORT']} within --ddp_timeout={timeout.total_seconds():.0f} s "
+                         f"({str(e).splitlines()[0][:160]}); start every process with `torchrun --nproc_per_node=N "
+                         f"{script} ...`, or `unset {' '.join(PROCESS_VARIABLES)}` to run one",
+                         every_rank=True) from None
+
+
+def reports_errors():
+    """Whether this process prints an error: not the ranks above 0 of a torchrun job (all ranks meet the same
+    errors; one line is enough), but any process whose variables are leftovers (the error may be about them)."""
+    try:
+        return processes()[0] == 0
+    except InputError:
+        return True
+
+
+def out_of_memory(e):
+    """Whether an exception is an allocation that failed: CUDA's torch.OutOfMemoryError, numpy's MemoryError,
+    or the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(
+        words in str(e) for words in ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED")))
+
+
+def check_writable(path, flag):
+    """An output file that the work writes at its end, opened for writing before the work (and removed again if
+    it was not there): a folder, a missing folder or a read-only disk would otherwise lose the results."""
+    existed = os.path.lexists(path)
+    try:  # non-blocking: a named pipe without a reader must not hang the check
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as e:
+        raise InputError(f"{flag}={path}: cannot write it ({e.strerror}); name a file in a folder that exists "
+                         f"and can be written") from None
+    if not existed:
+        os.remove(path)
 
 
 class Parser(argparse.ArgumentParser):
@@ -118,16 +212,21 @@ def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+MAX_THREADS = 1024  # more than any process is given; far more threads fail to start, or overflow a C int
+
+
 def pick_threads(requested=0, processes=1):
     """Intra-op threads of a CPU process: `requested`, else $OMP_NUM_THREADS, else the cores idle now shared
     by the `processes` started on this machine. PyTorch's default (a thread per core in every process)
     oversubscribes a machine that runs anything else: on 2 cores beside one busy process the demo took 1.8x
     the wall time and 2.4x the CPU time with 2 threads than with 1."""
-    if requested:
-        return requested
     env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+    for source, n in (("--threads", requested or 0), ("OMP_NUM_THREADS", int(env) if env.isdigit() else 0)):
+        if n > MAX_THREADS:
+            raise InputError(f"{source}={n}: expected at most {MAX_THREADS} threads (this process may use "
+                             f"{usable_cores()} cores)")
+        if n > 0:
+            return n
     idle = usable_cores() - round(os.getloadavg()[0])
     return max(1, min(usable_cores(), idle) // max(1, processes))
 
@@ -137,7 +236,12 @@ def pick_device(requested="auto", local_rank=0, flag="--device"):
     InputError naming `flag`."""
     import torch
     if requested in (None, "auto"):
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise InputError(f"LOCAL_RANK={local_rank} asks for GPU {local_rank}, and this machine has "
+                             f"{torch.cuda.device_count()}; start at most that many processes per machine")
+        return torch.device(f"cuda:{local_rank}")
     try:
         device = torch.device(requested)
     except (RuntimeError, ValueError):

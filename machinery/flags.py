@@ -1,19 +1,25 @@
 """train.py's flags: --key=value parsed into its Config dataclass, --help written from the dataclass's own
 comments, and the range of every value. A reader of the recipe may skip this file."""
 import dataclasses
+import datetime
 import decimal
 import inspect
 import math
 import os
 import re
 
-from machinery.cli import InputError
+from machinery.cli import MAX_THREADS, InputError
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
-PER_INVOCATION = ("resume", "max_steps", "device")  # never taken from a saved configuration
-# What --resume may change besides: nothing that alters the numbers.
-RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "ddp_timeout")
+PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout")  # never taken from a saved configuration
+# What --resume may change besides: nothing that alters the numbers (threads: a smaller machine needs fewer).
+RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads")
+# Documents are [CLS] text [SEP] with at least one text token, so a window holds at most two special tokens in a
+# row: [SEP] [CLS], which no objective labels (MLM never masks a special token; in CLM [SEP] predicts nothing,
+# and neither does a window's last token). Three tokens always hold one that MLM may mask and CLM predicts.
+MIN_SEQ_LEN = 3
+MAX_DDP_TIMEOUT = 10**6  # seconds (11 days); the rendezvous's millisecond clock overflows not far above
 
 
 def field_types(config_cls):
@@ -118,7 +124,8 @@ def check(cfg, allowed, world):
         (cfg.schedule_tokens == 0 or cfg.schedule_tokens >= cfg.tokens,
          f"--schedule_tokens={cfg.schedule_tokens}: the schedule's budget must cover this phase's "
          f"--tokens={cfg.tokens} (0: the same)"),
-        (cfg.seq_len > 0, f"--seq_len={cfg.seq_len}: expected a positive length"),
+        (cfg.seq_len >= MIN_SEQ_LEN, f"--seq_len={cfg.seq_len}: expected at least {MIN_SEQ_LEN}; a shorter window "
+                                     f"may hold no token to predict ([SEP] [CLS] at a document boundary)"),
         (cfg.batch_size > 0 and cfg.micro_batch_size >= 0,
          f"--batch_size={cfg.batch_size} must be positive and --micro_batch_size={cfg.micro_batch_size} >= 0"),
         (finite(cfg.lr) and cfg.lr > 0, f"--lr={cfg.lr}: expected a positive finite learning rate"),
@@ -143,7 +150,7 @@ def check(cfg, allowed, world):
          "--eval_interval, --log_interval and --eval_sequences must be positive"),
         (cfg.save_interval >= 0 and cfg.max_steps >= 0, "--save_interval and --max_steps must be >= 0 (0: at the end)"),
         (cfg.keep >= 1, f"--keep={cfg.keep}: keep at least the newest checkpoint"),
-        (cfg.threads >= 0 and cfg.ddp_timeout > 0, "--threads must be >= 0 (0: automatic), --ddp_timeout positive"),
+        (0 <= cfg.threads <= MAX_THREADS, f"--threads={cfg.threads}: expected 0 (automatic) to {MAX_THREADS}"),
         (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
     ]
     for ok, message in rules:
@@ -158,9 +165,20 @@ def check(cfg, allowed, world):
         raise InputError(f"--batch_size={cfg.batch_size} cannot be split into micro-batches of {micro} on {world} "
                          f"process(es); change --micro_batch_size so that batch_size = micro_batch_size x "
                          f"processes x k")
+    if cfg.objective == "mlm" and cfg.mask_rate * micro * cfg.seq_len < 1:  # a micro-batch with no label adds 0
+        raise InputError(f"--mask_rate={cfg.mask_rate} masks {cfg.mask_rate * micro * cfg.seq_len:.2g} tokens of a "
+                         f"micro-batch of {micro} x {cfg.seq_len} on average: most would have nothing to predict; "
+                         f"raise --mask_rate, --micro_batch_size or --seq_len")
     if cfg.tokens < cfg.batch_size * cfg.seq_len:
         raise InputError(f"--tokens={cfg.tokens:,} is less than one optimizer step ({cfg.batch_size} x {cfg.seq_len} "
                          f"= {cfg.batch_size * cfg.seq_len:,} tokens); raise --tokens or lower --batch_size")
+
+
+def ddp_timeout(seconds):
+    """--ddp_timeout as the process group takes it, checked before the group is made."""
+    if not 0 < seconds <= MAX_DDP_TIMEOUT:
+        raise InputError(f"--ddp_timeout={seconds}: expected 1 to {MAX_DDP_TIMEOUT:,} seconds")
+    return datetime.timedelta(seconds=seconds)
 
 
 def check_schedule_fits(cfg, done):
@@ -176,6 +194,23 @@ def check_finite(loss, grad_norm, step, cfg):
         raise InputError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {step} (phase {cfg.phase}); "
                          f"stopped before the update. The last checkpoint in {cfg.out_dir} is kept; lower --lr or "
                          f"check the data")
+
+
+def out_of_memory(e, r):
+    """The InputError for a step that did not fit in memory (`r`: train.py's Run): the sizes it tried, the
+    settings to lower. Every rank says it: the others may have had room."""
+    cfg, model = r.cfg, r.model.config
+    asked = re.search(r"allocate ([\d.]+ \w?i?B|\d+ bytes)", str(e))  # CUDA's "2.00 GiB", the CPU's "N bytes"
+    asked = asked and (f"{int(asked[1].split()[0]) / 2**30:.1f} GiB" if "bytes" in asked[1] else asked[1])
+    lower = "--micro_batch_size (more accumulation steps keep --batch_size), --seq_len" + \
+        (" or --preset" if r.how == "fresh" else "")
+    change = f"lower {lower}" if r.how != "resume" else \
+        f"a resumed run keeps its settings: resume where more memory is, or start again with a lower {lower}"
+    return InputError(f"{f'rank {r.rank}: ' if r.world > 1 else ''}out of memory on {r.device} in step {r.step + 1}"
+                      f"{f' (asked for {asked} more)' if asked else ''}: micro-batches of "
+                      f"{cfg.batch_size // r.accum // r.world} x {cfg.seq_len} tokens through "
+                      f"{model.num_hidden_layers} blocks {model.hidden_size} wide (--preset={cfg.preset or 'none'}); "
+                      f"{change}. The checkpoints in {cfg.out_dir} are as they were", every_rank=True)
 
 
 def check_state(state, cfg):
@@ -214,6 +249,31 @@ def check_data_fits_model(meta, config, cfg):
                          f"({config.max_position_embeddings})")
 
 
+def check_handoff(cfg, parent):
+    """A phase hand-off continues its parent's data position, which names windows of its seq_len in the order of
+    its data_seed, masked by its seed: those stay the parent's (`parent`: its saved configuration)."""
+    for key in ("seq_len", "data_seed", "seed"):
+        if getattr(cfg, key) != parent[key]:
+            raise InputError(f"--{key}={getattr(cfg, key)}: a phase hand-off continues the data position of "
+                             f"--init_from={cfg.init_from}, which holds for its {key}={parent[key]} only; leave "
+                             f"--{key} out, or take its weights alone with --weights_only")
+
+
+def preset_of(config, presets):
+    """The name of the row of `presets` whose architecture a checkpoint's config has, or "" (none has it)."""
+    return next((name for name, dims in presets.items()
+                 if all(getattr(config, key) == value for key, value in dims.items())), "")
+
+
+def check_preset(preset, config, init_from, presets):
+    """A --preset given with --init_from: weights keep their shape, so only the checkpoint's own preset is allowed."""
+    if preset != preset_of(config, presets):
+        raise InputError(f"--preset={preset}: the model of --init_from={init_from} is "
+                         f"{preset_of(config, presets) or 'no preset'} ({config.num_hidden_layers} blocks "
+                         f"{config.hidden_size} wide) and keeps that architecture, as its weights do; --preset picks "
+                         f"a fresh model's (--init_from=scratch): leave it out")
+
+
 def check_val_split(cfg, val_windows):
     if val_windows < cfg.eval_sequences:
         raise InputError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
@@ -236,6 +296,6 @@ def check_start(cfg, how, state, config_cls):
     from machinery.cli import pick_device
     from machinery.kernels import pick_backend
     try:
-        pick_backend(pick_device(cfg.device), cfg.backend)
+        pick_backend(pick_device(cfg.device), cfg.backend, training=True)
     except ValueError as e:
         raise InputError(f"--backend={cfg.backend}: {e}") from None

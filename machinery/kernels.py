@@ -62,6 +62,7 @@ class SDPA:
         return True
 
     auto = available  # whether "auto" may pick it on this device
+    trains = available  # whether it has a backward on this device
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
         self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
@@ -108,6 +109,8 @@ class Flex(SDPA):
     def auto(device):  # on a CPU it compiles slowly and runs no faster than SDPA
         return device.type == "cuda" and Flex.available(device)
 
+    trains = auto  # PyTorch 2.13 has no FlexAttention backward on a CPU (NotImplementedError at the first one)
+
     @staticmethod
     def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
@@ -117,7 +120,7 @@ class Flex(SDPA):
 
     def attend(self, q, k, v, local):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        # eager on a CPU, where it serves the tests only (it has no CPU backward)
+        # eager on a CPU, where it serves the tests and inference only (it has no CPU backward)
         attend = compiled(flex_attention, dynamic=False) if q.is_cuda else flex_attention
         return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
 
@@ -144,7 +147,7 @@ class Flash:
     def available(device):
         return flash_attn_varlen_func is not None and device.type == "cuda"
 
-    auto = available
+    auto = trains = available
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
         self.shape, self.causal, self.window = (B, T), causal, window
@@ -186,9 +189,9 @@ BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA}  # "auto" picks the firs
 BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
 
 
-def pick_backend(device: torch.device, requested: str = "auto") -> str:
-    """The backend to run on `device`: `requested` if this device has it; for auto, the first in BACKENDS
-    that suits the device."""
+def pick_backend(device: torch.device, requested: str = "auto", training: bool = False) -> str:
+    """The backend to run on `device`: `requested` if this device has it (and its backward, for `training`);
+    for auto, the first in BACKENDS that suits the device."""
     if requested == "auto":
         return next(name for name, kind in BACKENDS.items() if kind.auto(device))
     if requested not in BACKENDS:
@@ -196,6 +199,9 @@ def pick_backend(device: torch.device, requested: str = "auto") -> str:
     if not BACKENDS[requested].available(device):
         raise InputError(f"attention backend {requested!r} is not available on {device.type}: "
                          f"it needs {BACKENDS[requested].needs}")
+    if training and not BACKENDS[requested].trains(device):
+        raise InputError(f"attention backend {requested!r} cannot train on {device.type}: PyTorch has no backward "
+                         f"for it there (it needs CUDA); use sdpa or auto")
     return requested
 
 

@@ -8,6 +8,7 @@ import fake_flash_attn
 import model as M
 from conftest import tiny_model
 from machinery import kernels
+from machinery.cli import InputError
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -84,6 +85,26 @@ def test_flex_forward_matches_sdpa_on_cpu(causal, with_docs, with_padding):
             out[backend] = model(ids, mask, causal=causal, doc_ids=docs)[0]
     real = slice(None) if mask is None else mask.bool()
     assert (out["flex"] - out["sdpa"])[real].abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+def test_a_backend_is_picked_for_training_only_where_it_has_a_backward(name):
+    """The table's `trains` against PyTorch itself on a CPU (FlexAttention has no CPU backward in torch 2.13): what
+    train.py and bench.py refuse at start (pick_backend(training=True)) is exactly what would fail at the first
+    backward."""
+    model = tiny_model()
+    model.backend = name
+    ids, _, labels, _ = padded_batch()
+    try:
+        model(ids, labels=labels)[1].backward()
+        backward = True
+    except NotImplementedError:
+        backward = False
+    cpu = torch.device("cpu")
+    assert kernels.BACKENDS[name].trains(cpu) == backward and kernels.pick_backend(cpu, name) == name
+    if not backward:
+        with pytest.raises(InputError, match=f"attention backend '{name}' cannot train on cpu"):
+            kernels.pick_backend(cpu, name, training=True)
 
 
 @pytest.mark.parametrize("kind", [kernels.Flex, kernels.SDPA])

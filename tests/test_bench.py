@@ -16,7 +16,9 @@ from machinery.cli import run
 
 pytest.importorskip("transformers")
 
-TINY = ["--device=cpu", "--warmup=1", "--steps=1", "--presets=tiny", "--seq_lens=160", "--micro_tokens=320"]
+# micro-tokens 2**45: a batch no allocator gives (256 TiB of ids), an OOM row among the measured ones
+TINY = ["--device=cpu", "--warmup=1", "--steps=1", "--presets=tiny", "--seq_lens=160", f"--micro_tokens=320,{2**45}"]
+OOM_MICRO = 2**45 // 160
 SUITE = '''
 import pytest
 
@@ -71,8 +73,12 @@ def report(tmp_path_factory):
 def test_bench_train_prints_the_table_and_the_losses_agree(report):
     _, stdout, _, rows, *_ = report
     lines = [line.split("|") for line in stdout.splitlines() if line.startswith("tiny")]
-    assert [line[0].split()[1] for line in lines] == [r["phase"] for r in rows] == ["clm", "mlm"]
-    for line, row in zip(lines, rows):
+    assert [line[0].split()[1] for line in lines] == [r["phase"] for r in rows] == ["clm", "clm", "mlm", "mlm"]
+    assert [r["micro"] for r in rows] == [2, OOM_MICRO] * 2 and [r["ours"] == "OOM" for r in rows] == [False, True] * 2
+    assert f"note: out of memory on cpu in 2 of 4 rows (tiny clm {OOM_MICRO} x 160, tiny mlm {OOM_MICRO} x 160 " \
+        "tokens): lower --micro_tokens or --seq_lens, or choose smaller --presets" in stdout
+    assert all(line[1].split()[0] == "OOM" and line[-1].split() == ["-", "-"] for line in lines[1::2])
+    for line, row in zip(lines[::2], rows[::2]):
         ratio = row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"]
         assert line[-2].strip() == f"{ratio:.2f}x"  # the ratio to the peer, as the JSON has it
         ours, peer = map(float, line[-1].split())
@@ -100,12 +106,20 @@ BAD_FLAGS = [  # (arguments, what the one-line error must name)
     (["train", "--threads=0"], "--threads"),
     (["train", "--steps=2", "--steps=3"], "--steps"),
     (["train", "--json=/nonexistent/dir/rows.json"], "--json"),
+    (["train", f"--json={ROOT}"], "--json"),  # a folder: found before the bench, not when it writes the rows
+    (["train", "--json=/proc/rows.json"], "--json"),  # a folder nothing can be created in
+    (["train", "--seq_lens=2"], "--seq_lens"),  # a CLM row of 2 tokens may label none
     (["data", "--corpus=/nonexistent.jsonl"], "--corpus"),
     (["data", f"--corpus={ROOT / 'bench.py'}", f"--tokenizer={ROOT / 'bench.py'}"], "--tokenizer"),
     (["data", f"--corpus={ROOT / 'bench.py'}", "--tokenizer=/nonexistent/tokenizer.json"], "--tokenizer"),
     (["data", "--repeats=0"], "--repeats"),
-    (["gpu-report", "--out=/nonexistent/dir/report.md"], "CUDA"),  # no CUDA is the first thing it says here
+    (["data", f"--corpus={ROOT / 'bench.py'}", "--tokenizer=bytes"], "--tokenizer"),  # the peer reads a file
+    (["data", f"--corpus={ROOT / 'bench.py'}", f"--tokenizer={ROOT}"], "--tokenizer"),
+    (["gpu-report", "--out=/nonexistent/dir/report.md"], "--out"),  # before the suite, even before CUDA
+    (["gpu-report", f"--out={ROOT}"], "--out"),
 ]
+if not torch.cuda.is_available():  # FlexAttention runs forward on a CPU, but has no backward there
+    BAD_FLAGS.append((["train", "--device=cpu", "--backend=flex"], "--backend=flex"))
 
 
 @pytest.mark.parametrize("argv, flag", BAD_FLAGS)
@@ -120,6 +134,19 @@ def test_bad_flags_are_one_line_errors(capsys, argv, flag):
     assert err.startswith("error: ") and err.count("\n") == 1 and flag in err and "Traceback" not in err
 
 
+def test_a_bench_where_no_row_fits_is_one_line(capsys):
+    """Every row too large for memory (256 TiB of ids): one error line naming the sizes and what to lower, exit 2."""
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit:
+        run(bench.main, ["train", "--device=cpu", "--presets=tiny", "--phases=clm", "--seq_lens=64",
+                         f"--micro_tokens={2**45}", "--threads=1"])
+    torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(
+        f"error: out of memory on cpu in 1 of 1 rows (tiny clm {2**39} x 64 tokens): lower --micro_tokens or "
+        f"--seq_lens, or choose smaller --presets")
+
+
 def test_gpu_report_without_cuda_is_one_error_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -129,6 +156,49 @@ def test_gpu_report_without_cuda_is_one_error_line(tmp_path):
     assert result.stderr.startswith("error: gpu-report needs a CUDA device") and result.stderr.count("\n") == 1
     assert not (tmp_path / "r.md").exists()
 
+
+
+def byte_tokenizer(tmp_path):
+    from machinery.tokenizer import bytes_config
+    (tmp_path / "bytes.json").write_text(json.dumps(bytes_config()))
+    return tmp_path / "bytes.json"
+
+
+DOCUMENT = "A clinical case: the patient was admitted with fever, and treated. " * 3
+BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error line; None: it runs)
+    (".txt, blank-line separated", "c.txt", (DOCUMENT + "\n\n") * 150, None),
+    (".jsonl with blank lines", "c.jsonl", (json.dumps({"text": DOCUMENT}) + "\n\n") * 150, None),
+    (".jsonl with a broken line", "c.jsonl", '{"text": "a"}\n{"text": \n', ["c.jsonl:2", "JSON object"]),
+    (".jsonl without the text field", "c.jsonl", '{"body": "a"}\n', ["c.jsonl:1", "'text'"]),
+    (".jsonl not UTF-8", "c.jsonl", '{"text": "caf\udce9"}\n', ["c.jsonl:1", "invalid UTF-8"]),
+    (".csv", "c.csv", "text\na\n", ["c.csv", ".jsonl, .txt or .parquet"]),
+    ("blank lines only", "c.txt", "\n\n\n", ["--corpus=", "c.txt: no documents"]),
+    ("one document", "c.txt", DOCUMENT, ["--corpus=", "validation split is empty"]),
+    ("fewer tokens than a loader sequence", "c.txt", (DOCUMENT + "\n\n") * 20, ["--corpus=", "fewer than one 8,192"]),
+]
+
+
+@pytest.mark.parametrize("case, name, content, expected", BENCH_CORPORA, ids=[c[0] for c in BENCH_CORPORA])
+def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name, content, expected):
+    """`bench.py data` takes what `data.py prepare` takes, with prepare's reader and checks: one error line, exit 2,
+    before any timing, or the three measurements (in a process of their own: the loader's bench pins its core)."""
+    (tmp_path / name).write_bytes(content.encode("utf-8", "surrogateescape"))
+    argv = ["data", f"--corpus={tmp_path / name}", f"--tokenizer={byte_tokenizer(tmp_path)}", "--repeats=1",
+            "--threads=1"]
+    if expected is None:
+        result = subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "identical ids 150/150" in result.stdout and "Loader" in result.stdout, result.stdout
+        return
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit:
+        run(bench.main, argv)
+    torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    error = err.splitlines()[-1]  # a progress bar of prepare may come before it
+    assert exit.value.code == 2 and "Traceback" not in err and err.count("error") == 1, err
+    assert error.startswith("error: ") and all(w in error for w in expected), error
+    assert "encode_batch" not in out  # nothing timed
 
 
 def table_rows(markdown, first_cell):
@@ -151,8 +221,9 @@ def test_gpu_report_writes_the_suite_and_the_bench_in_one_file(report):
 
     assert f"## `{train}`: ours against transformers" in markdown
     cells = table_rows(markdown, "tiny")
-    assert len(cells) == 2 and all(len(row) == 13 for row in cells)
-    for row, (_, phase, seq, attn, ours, mfu, gib, peer_attn, peer, *_, ratio, losses) in zip(rows, cells):
+    assert len(cells) == 4 and all(len(row) == 13 for row in cells)
+    assert all(row[4] == row[8] == "OOM" and row[-1] == "- / -" for row in cells[1::2])
+    for row, (_, phase, seq, attn, ours, mfu, gib, peer_attn, peer, *_, ratio, losses) in zip(rows[::2], cells[::2]):
         assert (phase, seq, attn, peer_attn, mfu, gib) == (row["phase"], "160 x 2", "sdpa", "sdpa", "-", "-")
         assert ours == f"{row['ours']['tokens_per_s']:,.0f}" and peer == f"{row['peer']['tokens_per_s']:,.0f}"
         ours_loss, peer_loss = map(float, losses.split(" / "))

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 import data
 import freeze
 import train
-from conftest import ROOT, tiny_model, torch_adamw_oracle
+from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
 from machinery import flags as flag_rules
 from machinery.cli import InputError
 from machinery.hf import read_config
 from machinery.rundir import RunDir
-from model import ModernBERT
+from model import ModernBERT, ModernBERTConfig
 
 # A tiny run: 128-token sequences, 4 per step, a few steps; the paper's recipe otherwise.
 SMALL = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--compile=false",
@@ -244,19 +244,64 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     assert not torch.allclose(moved.abs(), torch.full_like(moved, peak), rtol=1e-3)
 
 
-def test_freezing_leaves_frozen_blocks_bit_identical(corpus, tmp_path):
+def test_freezing_leaves_frozen_blocks_bit_identical_and_out_of_the_clipping(corpus, tmp_path, monkeypatch):
+    """--freeze=0-1 with gradient clipping on: frozen blocks stay bit-identical (stale moments, weight decay), and
+    the rest trains exactly as in a run whose blocks 0-1 have no gradient at all (requires_grad off): their zeroed
+    gradients are out of the clipping norm too."""
     run(corpus, tmp_path / "clm", "--phase=clm", f"--tokens={3 * STEP_TOKENS}")
     before = load_file(tmp_path / "clm" / "model.safetensors")
     moments = load_file(os.path.join(latest(tmp_path / "clm")["dir"], "optimizer.safetensors"))
     assert moments["exp_avg.model.layers.0.attn.Wqkv.weight"].abs().sum() > 0  # stale moments that could move it
-    after, _ = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--freeze=0-1",
-                   f"--tokens={3 * STEP_TOKENS}", "--weight_decay=0.1")
+    decay = ["--phase=decay", f"--init_from={tmp_path / 'clm'}", f"--tokens={3 * STEP_TOKENS}", "--weight_decay=0.1",
+             "--grad_clip=0.05", "--log_interval=1"]  # every step clipped: its norm is far above 0.05
+    after, _ = run(corpus, tmp_path / "decay", *decay, "--freeze=0-1")
+    build = train.build_model
+
+    def without_gradients(*args):  # the reference: blocks 0-1 take no part in the backward's parameters
+        model, source = build(*args)
+        model.model.layers[:2].requires_grad_(False)
+        return model, source
+    monkeypatch.setattr(train, "build_model", without_gradients)
+    reference, _ = run(corpus, tmp_path / "reference", *decay)
+    norms = [r["grad_norm"] for r in map(json.loads, open(tmp_path / "decay" / "log.jsonl")) if "loss" in r]
+    assert min(norms) > 0.05
     for name, tensor in before.items():
         block = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if block in (0, 1):
-            assert torch.equal(tensor, after[name]), f"frozen {name} moved"
+            assert torch.equal(tensor, after[name]) and torch.equal(tensor, reference[name]), f"frozen {name} moved"
         else:
             assert not torch.equal(tensor, after[name]), f"{name} did not train"
+            assert torch.equal(after[name], reference[name]), f"{name} trained otherwise than without the blocks"
+
+
+# The paper's depths: ModernBERT-base has 22 blocks, large 28. (preset, --freeze, the blocks it names)
+FREEZE_AT_DEPTH = [("base", "0-7", range(0, 8)), ("base", "8-14", range(8, 15)), ("base", "low", range(0, 8)),
+                   ("base", "mid", range(8, 15)), ("base", "1,10,21", [1, 10, 21]), ("large", "0-7", range(0, 8)),
+                   ("large", "low", range(0, 10)), ("large", "mid", range(10, 19)), ("large", "2-2", [2])]
+
+
+@pytest.mark.parametrize("preset, spec, blocks", FREEZE_AT_DEPTH, ids=[f"{p} {s}" for p, s, _ in FREEZE_AT_DEPTH])
+def test_freezing_selects_and_zeroes_exactly_the_named_blocks_at_the_papers_depths(preset, spec, blocks):
+    """The frozen parameters of the full-size model (on the meta device: no memory) are those whose block index,
+    read from the name, is named; on the same depth at a tiny width, exactly their gradients are zeroed."""
+    config = ModernBERTConfig.from_preset(preset)
+    with torch.device("meta"):
+        full = ModernBERT(config)
+    layers = freeze.parse_layers(spec, config.num_hidden_layers)
+    assert layers == list(blocks)
+    frozen = freeze.frozen_names(full, layers)
+    expected = {n for n, _ in full.named_parameters() if n.split(".")[:2] == ["model", "layers"]
+                and int(n.split(".")[2]) in blocks}
+    assert frozen == expected and len({n.split(".")[2] for n in frozen}) == len(blocks)
+
+    torch.manual_seed(0)
+    narrow = ModernBERT(config.replace(hidden_size=32, intermediate_size=32, num_attention_heads=2, **BYTE_IDS))
+    x = torch.randint(0, 256, (1, 16))
+    narrow(x, labels=x)[1].backward()
+    freeze.zero_frozen_grads(narrow, frozen)
+    for i, block in enumerate(narrow.model.layers):
+        zeroed = [p.grad.count_nonzero().item() == 0 for p in block.parameters()]
+        assert all(zeroed) if i in blocks else not any(zeroed), (i, zeroed)
 
 
 def torchrun(nproc, *args, cwd=None):
@@ -269,13 +314,16 @@ def torchrun(nproc, *args, cwd=None):
 
 
 def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_path):
-    """Same global batches: 2 gloo processes x accumulation 1 vs 1 process x accumulation 2: the same weights, and
-    the same logged and validation losses, means over tokens. Also freezing under DDP."""
-    common = [f"--data={corpus}", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--freeze=1", "--weight_decay=0.1"]
+    """Same global batches of the same micro-batches: 2 gloo processes x accumulation 2 vs 1 process x accumulation
+    4, so that the gradient (the mean of the 4 micro-batch means) must be the same and be all-reduced after the
+    last micro-step only: the same weights, and the same logged and validation losses, means over tokens. Also
+    freezing under DDP."""
+    batch = ["--batch_size=8", f"--tokens={3 * 2 * STEP_TOKENS}"]  # 3 steps of 8 sequences, micro-batches of 2
+    common = [f"--data={corpus}", "--phase=mlm", "--freeze=1", "--weight_decay=0.1"]
     validate = ["--eval_interval=1", "--eval_sequences=3"]  # in micro-batches of 2: a full one and a short one
-    out = torchrun(2, *common, *small(*validate), f"--out_dir={tmp_path / 'two'}")
-    assert "2 micro x 1 accumulation x 2 process(es)" in out
-    train.main([*common, *small(*validate), f"--out_dir={tmp_path / 'one'}"])
+    out = torchrun(2, *common, *small(*batch, *validate), f"--out_dir={tmp_path / 'two'}")
+    assert "2 micro x 2 accumulation x 2 process(es)" in out
+    train.main([*common, *small(*batch, *validate), f"--out_dir={tmp_path / 'one'}"])
     two = load_file(tmp_path / "two" / "model.safetensors")
     one = load_file(tmp_path / "one" / "model.safetensors")
     for name in one:
@@ -284,13 +332,14 @@ def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_pat
     def losses(run):  # each step's logged loss, then its validation losses
         records = [json.loads(line) for line in open(tmp_path / run / "log.jsonl")]
         return [r[k] for r in records for k in ("loss", "val_mlm", "val_clm") if k in r]
-    assert len(losses("one")) == 4 * 3 and losses("one") == pytest.approx(losses("two"), rel=1e-5)
-    # One process in micro-batches of 4 (and validation in one batch of 3) trains another gradient, a mean of
+    assert len(losses("one")) == 3 * 3 and losses("one") == pytest.approx(losses("two"), rel=1e-5)
+    # One process in micro-batches of 8 (and validation in one batch of 3) trains another gradient, a mean of
     # micro-batch means, but not at step 1: the warmup runs it at lr 0. So step 1's logged loss and validation, on
     # the same weights and tokens, equal the 2 processes' (to the 5 decimals of the logged loss); a mean of
     # micro-batch means would not.
-    train.main([*common, *small(*validate, "--micro_batch_size=0", "--max_steps=1"), f"--out_dir={tmp_path / 'four'}"])
-    assert losses("four") == pytest.approx(losses("two")[:3], rel=2e-6)
+    train.main([*common, *small(*batch, *validate, "--micro_batch_size=0", "--max_steps=1"),
+                f"--out_dir={tmp_path / 'eight'}"])
+    assert losses("eight") == pytest.approx(losses("two")[:3], rel=2e-6)
     torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
     init = ModernBERT(read_config(str(tmp_path / "one" / "config.json"))).state_dict()
     for name, tensor in two.items():

@@ -114,9 +114,23 @@ BAD_FLAGS = [
     (["--threads=-2"], ["--threads"]),
     (["--final_lr_frac=2"], ["--final_lr_frac=2.0"]),
     (["--phase=decay", "--tokens=1e6"], ["--phase=decay", "--init_from"]),
+    # windows that may hold no token to predict: [SEP] [CLS] labels nothing in MLM or CLM
+    (["--seq_len=1"], ["--seq_len=1", "at least 3"]),
+    (["--seq_len=2", "--phase=clm"], ["--seq_len=2", "at least 3"]),
+    (["--seq_len=0"], ["--seq_len=0", "at least 3"]),
+    (["--mask_rate=1e-4"], ["--mask_rate=0.0001", "0.026 tokens of a micro-batch of 2 x 128"]),  # trains nothing
+    (["--threads=100000"], ["--threads=100000", "1024"]),  # a C int overflows further up; threads fail to start
+    (["--ddp_timeout=0"], ["--ddp_timeout=0"]),
+    (["--ddp_timeout=1e15"], ["--ddp_timeout=1000000000000000"]),  # the rendezvous's clock overflows
+    (["--weights_only"], ["--weights_only", "fresh model"]),  # recorded, and meaning nothing
+    # a micro-batch no machine holds (8 TiB of ids): the allocator's failure, as one line naming what to lower
+    (["--batch_size=1099511627776", "--micro_batch_size=1099511627776", "--seq_len=3", "--tokens=1e13"],
+     ["out of memory on cpu in step 1", "8.00 TiB", "1099511627776 x 3 tokens", "4 blocks 128 wide",
+      "--micro_batch_size", "--seq_len or --preset"]),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--device=cuda"], ["--device=cuda", "not available"]))
+    BAD_FLAGS.append((["--backend=flex"], ["--backend=flex", "cannot train on cpu", "sdpa"]))  # no CPU backward
 
 
 
@@ -125,6 +139,56 @@ def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_
     out = tmp_path / "out"
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
     assert not (out / "model.safetensors").exists()
+
+
+# torchrun's variables left in a shell, or written by hand: (environment, words of the one line). Each is refused
+# before any rendezvous (which would wait, or end in a traceback); the message says what to run instead.
+TORCHRUN = dict(LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29400")
+BAD_ENVIRONMENTS = [
+    (dict(RANK="0"), ["RANK=0", "WORLD_SIZE is missing", "torchrun --nproc_per_node=N train.py", "unset RANK"]),
+    (dict(RANK="1"), ["RANK=1", "WORLD_SIZE is missing"]),  # rank 1 prints too: the error is about its variables
+    (dict(WORLD_SIZE="1"), ["WORLD_SIZE=1", "RANK is missing", "unset WORLD_SIZE"]),
+    (dict(WORLD_SIZE="2"), ["RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are missing"]),
+    (dict(LOCAL_RANK="0"), ["RANK, WORLD_SIZE are missing"]),
+    (dict(RANK="1", WORLD_SIZE="2"), ["LOCAL_RANK, MASTER_ADDR, MASTER_PORT are missing"]),
+    (dict(RANK="2", WORLD_SIZE="2", **TORCHRUN), ["RANK must be below WORLD_SIZE"]),  # would wait at the rendezvous
+    (dict(RANK="x", WORLD_SIZE="2", **TORCHRUN), ["RANK=x", "a whole number"]),
+    (dict(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="two"), ["LOCAL_WORLD_SIZE", "a whole number"]),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="4", **TORCHRUN), ["LOCAL_WORLD_SIZE must be 1 to WORLD_SIZE"]),
+    (dict(RANK="0", WORLD_SIZE="2", **{**TORCHRUN, "LOCAL_RANK": "2"}, LOCAL_WORLD_SIZE="2"),
+     ["LOCAL_RANK must be below"]),
+    (dict(RANK="0", WORLD_SIZE="2", **{**TORCHRUN, "MASTER_PORT": "70000"}), ["MASTER_PORT must be a port"]),
+    (dict(OMP_NUM_THREADS="99999999999"), ["OMP_NUM_THREADS=99999999999", "1024"]),  # no --threads given
+]
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """Set these variables, with none of torchrun's left from the shell that started the tests."""
+    for name in (*cli.PROCESS_VARIABLES, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    return lambda variables: [monkeypatch.setenv(k, v) for k, v in variables.items()]
+
+
+@pytest.mark.parametrize("variables, words", BAD_ENVIRONMENTS, ids=[" ".join(f"{k}={v}" for k, v in e.items())
+                                                                     for e, _ in BAD_ENVIRONMENTS])
+def test_leftover_torchrun_variables_are_one_line(variables, words, environment, demo_corpus, tmp_path, capsys):
+    environment(variables)
+    flags = [f for f in SMALL if not f.startswith("--threads")]  # OMP_NUM_THREADS decides where --threads is 0
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'out'}", *flags], *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_process_runs_with_torchruns_variables_and_others_are_awaited_with_a_deadline(
+        environment, demo_corpus, tmp_path, capsys):
+    """RANK=0 WORLD_SIZE=1 (torchrun --nproc_per_node=1, or a launcher's) is one process: it trains, and makes no
+    process group. A complete set for 2 processes started without the other waits --ddp_timeout, then says so."""
+    environment(dict(RANK="0", WORLD_SIZE="1", **TORCHRUN))
+    train.main([f"--data={demo_corpus}", f"--out_dir={tmp_path / 'one'}", *SMALL, f"--tokens={STEP_TOKENS}"])
+    assert "1 process(es)" in capsys.readouterr().out and not torch.distributed.is_initialized()
+    environment(dict(RANK="1", WORLD_SIZE="2", **{**TORCHRUN, "LOCAL_RANK": "1", "MASTER_PORT": "1"}))
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'two'}", *SMALL, "--ddp_timeout=1", "--device=cpu"],
+          "rank 1 of 2 did not meet the others at localhost:1 within --ddp_timeout=1 s", "torchrun")
 
 
 def test_demo_recipe_refuses_a_pretrained_start(tmp_path, capsys):
@@ -216,6 +280,53 @@ def test_broken_data_is_named(name, change, words, demo_corpus, tmp_path, capsys
     edit_json("meta.json", change)(corpus)
     fails(capsys, [f"--data={corpus}", f"--out_dir={tmp_path / 'out'}", *SMALL], *words)
     assert not (tmp_path / "out" / "hostname").exists()
+
+
+def test_a_started_model_keeps_its_architecture_and_records_it(run_dir, demo_corpus, tmp_path, capsys):
+    """--preset with --init_from: another architecture is refused (the weights have their shape), the same one is
+    accepted; a start from a checkpoint records the preset its shape has, not the recipe's. A hand-off keeps the
+    settings its data position holds for."""
+    fails(capsys, [f"--init_from={run_dir}", f"--out_dir={tmp_path / 'decay'}", "--phase=decay",
+                   *with_small("--preset=mini")], "--preset=mini", "is tiny (4 blocks 128 wide)", "leave it out")
+    for flag in ("--seq_len=64", "--seed=5", "--data_seed=3"):  # the parent's data position holds for its own only
+        fails(capsys, [f"--init_from={run_dir}", f"--out_dir={tmp_path / 'decay'}", "--phase=decay",
+                       *with_small(flag)], flag, "continues the data position", "--weights_only")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(run_dir / name, hf / name)
+    start = [f"--data={demo_corpus}", f"--init_from={hf}", "--recipe=paper", f"--tokens={STEP_TOKENS}"]
+    fails(capsys, [*start, f"--out_dir={tmp_path / 'base'}", *with_small("--preset=base")], "--preset=base", "tiny")
+    unnamed = [f for f in SMALL if not f.startswith("--preset")]
+    train.main([*start, f"--out_dir={tmp_path / 'weights'}", *unnamed])  # the paper's recipe names base
+    assert RunDir.open(str(tmp_path / "weights")).latest_state()["config"]["preset"] == "tiny"
+    train.main([*start, f"--out_dir={tmp_path / 'same'}", *SMALL])
+
+
+@pytest.mark.parametrize("allocate", [lambda: torch.empty(1 << 50, dtype=torch.uint8),
+                                      lambda: __import__("numpy").empty(1 << 50, dtype="uint8")],
+                         ids=["torch's CPU allocator", "numpy's"])
+def test_out_of_memory_mid_run_is_one_line_and_keeps_the_checkpoint(allocate, demo_corpus, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A real allocation of 1 PiB in step 2 (after step 1's checkpoint): one line with the sizes and what to lower,
+    and the checkpoint of step 1 stays complete."""
+    out = tmp_path / "run"
+    real, steps = train.freeze.zero_frozen_grads, []
+
+    def allocating(model, names):  # runs after each backward
+        real(model, names)
+        steps.append(1)
+        if len(steps) == 2:
+            allocate()
+    monkeypatch.setattr(train.freeze, "zero_frozen_grads", allocating)
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"),
+                   f"--tokens={4 * STEP_TOKENS}"], "out of memory on cpu in step 2", "micro-batches of 2 x 128 tokens",
+          "--micro_batch_size", "--seq_len or --preset", f"checkpoints in {out} are as they were")
+    assert newest(out).name == "step-00000001"
+    assert load_file(out / "model.safetensors").keys() == load_file(newest(out) / "model.safetensors").keys()
+    monkeypatch.setattr(train.freeze, "zero_frozen_grads", real)
+    train.main([f"--out_dir={out}", "--resume"])  # the kept checkpoint goes on
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 4
 
 
 def test_out_dir_a_user_shares_keeps_every_file_of_theirs(demo_corpus, tmp_path, capsys):
