@@ -157,7 +157,10 @@ def data_stages(spec, learn_from, corpus, out, needs=()):
         prep = ["tokenizer"]
     stages.append(Stage("data-corpus", python("data.py", "prepare", "--input", *corpus, "--tokenizer", tokenizer,
                                               "--out", out / "data" / "corpus", "--val_fraction", 0.02), prep,
-                        [*corpus, *([tokenizer] if Path(str(tokenizer)).is_file() else [])], threaded=False))
+                        # a tokenizer the plan learns is in OUT, fingerprinted through its stage; a file of the
+                        # user's is an input (its content counted whether or not it existed at the first run)
+                        [*corpus, *([tokenizer] if not isinstance(spec, int) and Path(str(tokenizer)).is_file()
+                                    else [])], threaded=False))
     return stages, tokenizer
 
 

@@ -3,6 +3,7 @@
     python train.py                                  # the demo's start model, out/demo-mlm: minutes
     python train.py --phase=clm --init_from=out/demo-mlm --weights_only  # the detour: demo-mlm-clm
     python train.py --phase=decay --init_from=out/demo-mlm-clm   # its decay: out/demo-mlm-clm-decay
+    python train.py --resume --out_dir=out/demo-mlm --tokens=2.5M  # a run made longer, its schedule kept
     torchrun --nproc_per_node=4 train.py --phase=clm # any command on 4 processes: same global batch
     python train.py --help                           # every flag, its default and its meaning
 
@@ -24,10 +25,10 @@ import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, curves, flags, progress
+from machinery import cli, curves, flags, progress, tracking
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
-from machinery.rundir import GracefulStop, RunDir, code_version, rng_state, set_rng_state
+from machinery.rundir import GracefulStop, RunDir, code_version, continuation_dir, rng_state, set_rng_state
 from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
@@ -79,6 +80,11 @@ class Config:
     save_interval: int = 500  # steps between checkpoints (and one at the end); 0: only at the end
     keep: int = 3  # checkpoints kept in out_dir/checkpoints, newest first
     log_interval: int = 1  # steps between printed lines
+    log_to: str = ""  # log.jsonl's records live to tensorboard, wandb and/or trackio too (comma-separated)
+    # the model card, out_dir/README.md in Hugging Face's format, rewritten at each save until you edit it
+    license: str = ""  # a Hugging Face license id (apache-2.0, mit, ...); empty: none stated
+    language: str = ""  # the data's language codes (en, or en,de); empty: none stated
+    base_model: str = ""  # a hub id; empty: --init_from's hub id, or the base of the run it continues
     # hardware
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes
@@ -108,10 +114,13 @@ PHASES = {
     "clm": dict(objective="clm", schedule="constant"),
     "decay": dict(objective="mlm", mask_rate=0.15, schedule="1-sqrt", warmup_tokens=0, tokens=0),
 }
-# What a phase hand-off inherits from the run it continues: the same model, data, batch, optimizer.
+# What a phase hand-off inherits from the run it continues: the same model, data, batch, optimizer,
+# validation windows and model card.
 INHERITED = ("recipe", "preset", "data", "seq_len", "batch_size", "micro_batch_size", "lr", "beta1",
              "beta2", "eps", "weight_decay", "grad_clip", "dropout", "separate_documents", "seed",
-             "data_seed", "dtype")
+             "data_seed", "dtype", "eval_sequences", "license", "language")
+# What a hand-off that continues its parent's schedule inherits too: the schedule's shape.
+SCHEDULE_SHAPE = ("warmup_tokens", "final_lr_frac", "decay_frac", "decay_tokens")
 
 
 def resolve_config(given, saved=None, parent=None):
@@ -124,9 +133,11 @@ def resolve_config(given, saved=None, parent=None):
     phase = given.get("phase", Config.phase)
     flags.check_names(dict(recipe=recipe, phase=phase), dict(recipe=RECIPES, phase=PHASES))
     cfg = Config(**{**RECIPES[recipe], **PHASES[phase], **inherited, **given})
+    if parent and continues_schedule(cfg, parent["config"]):  # one schedule: one shape
+        cfg = dataclasses.replace(cfg, **{k: parent["config"][k] for k in SCHEDULE_SHAPE if k not in given})
     default_dir = f"out/{cfg.phase}" if cfg.recipe == "paper" else f"out/{cfg.recipe}-{cfg.phase}"
     if RunDir.is_run(cfg.init_from):  # a run continuing ours is named after it: out/demo-mlm-clm
-        default_dir = f"{os.path.normpath(cfg.init_from)}-{cfg.phase}"
+        default_dir = continuation_dir(cfg.init_from, cfg.phase)
     cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run: one run
     if cfg.tokens == 0 and parent:  # the decay: 10% of the tokens of the run it continues
         cfg.tokens = parent["phase_tokens"] // 10
@@ -213,7 +224,7 @@ SCHEDULES = {"constant": constant, "1-sqrt": one_minus_sqrt, "wsd": wsd}
 # The values these flags accept: the names the tables define, never typed twice.
 CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES,
                backend=("auto", *BACKENDS))
-FIELDS = flags.field_types(Config)  # a checkpoint's config must hold exactly these settings
+FIELDS = flags.checkpoint_fields(Config)  # the settings a checkpoint's config holds
 
 
 def learning_rate(cfg, t):
@@ -284,6 +295,8 @@ def start_point(given, master, world, local_world):
         if state is None:
             raise cli.InputError(f"--resume --out_dir={out_dir}: no complete checkpoint there yet")
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
+        if any(getattr(cfg, k) != state["config"][k] for k in flags.BUDGET):  # a longer run, the same schedule
+            flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
     else:
         if RunDir.is_run(init_from):
             state = RunDir.open(init_from).latest_state(PHASES, FIELDS)
@@ -296,8 +309,10 @@ def start_point(given, master, world, local_world):
             flags.check_preset(given["preset"], config, cfg.init_from, PRESETS)
         if how == "handoff":
             flags.check_handoff(cfg, state["config"])
+        cfg.base_model = cfg.base_model or progress.base_model(cfg.init_from, state)  # the card's
     flags.check_start(cfg, how, state, Config)  # the chain of phases, checkpoint, device, backend
     flags.check(cfg, CHOICES, world)
+    tracking.names(cfg.log_to)  # known and installed
     cfg.threads = cli.pick_threads(cfg.threads, local_world)
     if master and how != "resume":
         run_dir = RunDir.create(cfg.out_dir)
@@ -305,15 +320,19 @@ def start_point(given, master, world, local_world):
     return how, cfg, state, run_dir
 
 
+def continues_schedule(cfg, parent):
+    """Whether a hand-off continues its parent's schedule (`parent`: its configuration): the same
+    --schedule over the same --schedule_tokens."""
+    return bool(cfg.schedule_tokens) and \
+        (parent["schedule"], parent["schedule_tokens"]) == (cfg.schedule, cfg.schedule_tokens)
+
+
 def schedule_start(cfg, how, state):
-    """Tokens of the schedule already run: a hand-off with the same --schedule and
-    --schedule_tokens continues its parent's schedule (no second warmup, one decay at the end);
-    anything else starts it."""
+    """Tokens of the schedule already run: a hand-off that continues its parent's schedule goes on
+    from where it stopped (no second warmup, one decay at the end); anything else starts it."""
     if how == "resume":
         return state["schedule_tokens_done"] - state["phase_tokens"]
-    parent = state["config"] if how == "handoff" else {}
-    ours = (cfg.schedule, cfg.schedule_tokens)
-    if not cfg.schedule_tokens or (parent.get("schedule"), parent.get("schedule_tokens")) != ours:
+    if how != "handoff" or not continues_schedule(cfg, state["config"]):
         return 0
     flags.check_schedule_fits(cfg, state["schedule_tokens_done"])
     return state["schedule_tokens_done"]
@@ -407,6 +426,7 @@ class Run:
     meta: dict  # the data's meta.json
     tokenizer: object
     run_dir: RunDir  # None on ranks other than 0: rank 0 writes
+    tracker: tracking.Trackers  # --log_to: rank 0's, none on the others
     device: torch.device
     rank: int
     world: int
@@ -446,8 +466,9 @@ def setup(given):
     optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
                       cfg.weight_decay, frozen)
     step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
+    start = schedule_start(cfg, how, state)
     if rank == 0:
-        progress.start(how, cfg, step, source)
+        progress.start(how, cfg, step, source, state, start, learning_rate)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     if cfg.compile and device.type == "cuda":
         for block in model.model.layers:  # regional compilation: one graph per block kind
@@ -456,9 +477,11 @@ def setup(given):
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if run_dir:
         run_dir.trim_log(step)  # the log holds exactly the steps of the checkpoint we start from
-    return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir,
-               device, rank, world, cfg.batch_size // (micro * world), step, phase_tokens,
-               schedule_start(cfg, how, state), history, code_version())
+    tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
+                                dataclasses.asdict(cfg), step + 1)
+    return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir, tracker,
+               device, rank, world, cfg.batch_size // (micro * world), step, phase_tokens, start, history,
+               code_version())
 
 
 def train(r):
@@ -511,12 +534,14 @@ def train(r):
             record = progress.record(r, lossf, lr, norm, time.time() - t0, flops, peak)
             if r.run_dir:  # before the save, so that the log and the checkpoint agree
                 r.run_dir.append_log(record)
+                r.tracker.log(record)
             if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):
                 sep_id = r.meta["sep_id"] if cfg.separate_documents else None
                 record.update(validation_losses(model, cfg.data, cfg.seq_len, cfg.eval_sequences,
                                                 micro_batch, r.device, cfg.dtype, sep_id))
-                keys = ("phase", "step", "tokens", "val_mlm", "val_clm")
-                r.run_dir.append_log({k: record[k] for k in keys})  # in the checkpoint's log too
+                validation = {k: record[k] for k in ("phase", "step", "tokens", "val_mlm", "val_clm")}
+                r.run_dir.append_log(validation)  # in the checkpoint's log too
+                r.tracker.log(validation)
             interval = cfg.save_interval and r.step % cfg.save_interval == 0
             if r.step == stop_at or signalled or interval:
                 save(r)
@@ -528,7 +553,8 @@ def train(r):
 
 
 def save(r):
-    """A checkpoint of all a resume needs. all_gather is a collective: every rank comes here."""
+    """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every
+    rank comes here."""
     state = dict(phase=r.cfg.phase, step=r.optimizer.steps, phase_step=r.step,
                  phase_tokens=r.phase_tokens,
                  total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
@@ -538,10 +564,11 @@ def save(r):
                  history=r.history)
     if r.run_dir:
         r.run_dir.save(r.model, r.optimizer.state_tensors(), state, r.tokenizer, r.cfg.keep)
-        try:
+        try:  # the picture and the card are not worth the run: the checkpoint is already written
             curves.draw_run(r.run_dir.path)
-        except OSError as e:  # the picture is not worth the run: the checkpoint is already written
-            print(f"warning: no loss picture this time ({e.strerror or e})")
+            r.run_dir.write_card(progress.card(r, learning_rate))
+        except OSError as e:
+            print(f"warning: no loss picture or model card this time ({e.strerror or e})")
         print(f"saved {r.run_dir.path} at step {r.step}")
 
 
@@ -558,9 +585,11 @@ def main(argv=None):
         if not cli.out_of_memory(e):
             raise
         raise flags.out_of_memory(e, r) from None
+    finally:
+        r.tracker.close()
     all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
     if r.rank == 0:
-        progress.summary(r, total_steps, signalled, elapsed)
+        progress.summary(r, total_steps, signalled, elapsed, learning_rate)
         r.run_dir.unlock()
     if signalled:
         raise SystemExit(130)  # the shell's code for a run ended by a signal

@@ -104,6 +104,22 @@ def rendezvous(rank, world, timeout, script="train.py"):
                          every_rank=True) from None
 
 
+def launcher(script):
+    """The words that start `script` again as this process was started: `python SCRIPT`, or torchrun with the
+    same processes per machine (from torchrun's variables). `script` is shown relative to the current folder
+    when it is inside it, else absolute, so that the command runs from here as printed. Several machines need
+    the job's own rendezvous flags, which no variable records: the placeholder says so."""
+    relative = os.path.relpath(script)
+    path = relative if not relative.startswith("..") else os.path.abspath(script)
+    _, world, _, local_world = processes()
+    if world == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it in every process it starts
+        return ["python", path]
+    if world == local_world:  # one machine: --standalone finds a free port by itself
+        return ["torchrun", "--standalone", f"--nproc_per_node={local_world}", path]
+    return ["torchrun", f"--nnodes={world // local_world}", f"--nproc_per_node={local_world}",
+            "<rendezvous flags of the job, on every machine>", path]
+
+
 def reports_errors():
     """Whether this process prints an error: not the ranks above 0 of a torchrun job (all ranks meet the same
     errors; one line is enough), but any process whose variables are leftovers (the error may be about them)."""

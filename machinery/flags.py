@@ -14,7 +14,10 @@ LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3)
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
 PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout")  # never taken from a saved configuration
 # What --resume may change besides: nothing that alters the numbers (threads: a smaller machine needs fewer).
-RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads")
+RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads",
+             "log_to", "license", "language", "base_model")
+# The budget, which --resume may change where every step already run keeps its learning rate (check_new_budget).
+BUDGET = ("tokens", "schedule_tokens")
 # Documents are [CLS] text [SEP] with at least one text token, so a window holds at most two special tokens in a
 # row: [SEP] [CLS], which no objective labels (MLM never masks a special token; in CLM [SEP] predicts nothing,
 # and neither does a window's last token). Three tokens always hold one that MLM may mask and CLM predicts.
@@ -24,6 +27,12 @@ MAX_DDP_TIMEOUT = 10**6  # seconds (11 days); the rendezvous's millisecond clock
 
 def field_types(config_cls):
     return {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}  # "int", "float", "bool", "str"
+
+
+def checkpoint_fields(config_cls):
+    """The settings a checkpoint's config holds, with their types. Those that change no number (RESUMABLE) are
+    marked "?": a checkpoint written before such a setting existed lacks it, and a resume takes its default."""
+    return {name: kind + "?" * (name in RESUMABLE) for name, kind in field_types(config_cls).items()}
 
 
 def parse_value(key, text, kind):
@@ -102,7 +111,7 @@ def check_names(values, allowed):
 def resumed_settings(given, saved):
     """A resumed run's settings: the saved ones, with the flags given now where they do not change the
     numbers (RESUMABLE); any other difference is an error."""
-    changed = [k for k, v in given.items() if k not in RESUMABLE and saved.get(k) != v]
+    changed = [k for k, v in given.items() if k not in RESUMABLE + BUDGET and saved.get(k) != v]
     if changed:
         raise InputError(f"--resume continues the run as it was saved; --{changed[0]}={given[changed[0]]} "
                          f"differs from its {saved.get(changed[0])!r}. Start a new run with --init_from")
@@ -152,6 +161,12 @@ def check(cfg, allowed, world):
         (cfg.keep >= 1, f"--keep={cfg.keep}: keep at least the newest checkpoint"),
         (0 <= cfg.threads <= MAX_THREADS, f"--threads={cfg.threads}: expected 0 (automatic) to {MAX_THREADS}"),
         (cfg.dtype in ("bfloat16", "float32"), f"--dtype={cfg.dtype!r}: expected bfloat16 or float32"),
+        (re.fullmatch(r"([a-z0-9][a-z0-9.\-]*)?", cfg.license),
+         f"--license={cfg.license!r}: expected a Hugging Face license id such as apache-2.0, mit or cc-by-4.0"),
+        (re.fullmatch(r"([a-z]{2,3}(-[A-Za-z0-9]+)*(,[a-z]{2,3}(-[A-Za-z0-9]+)*)*)?", cfg.language),
+         f"--language={cfg.language!r}: expected language codes such as en or en,de"),
+        (re.fullmatch(r"([\w.\-]+(/[\w.\-]+)?)?", cfg.base_model),
+         f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base"),
     ]
     for ok, message in rules:
         if not ok:
@@ -186,6 +201,30 @@ def check_schedule_fits(cfg, done):
     if done + cfg.tokens > cfg.schedule_tokens:
         raise InputError(f"--tokens={cfg.tokens:,} after the {done:,} its parent ran exceeds "
                          f"--schedule_tokens={cfg.schedule_tokens:,}")
+
+
+def first_changed_rate(old, new, done, per_step, learning_rate):
+    """The first token, of the `done` tokens of a schedule run in steps of `per_step`, at which `new`'s learning
+    rate differs from `old`'s; None where every step keeps its rate (constant; wsd before its decay)."""
+    return next((t for t in range(done % per_step, done, per_step)
+                 if learning_rate(old, t) != learning_rate(new, t)), None)
+
+
+def check_new_budget(old, new, state, learning_rate):
+    """--resume with another --tokens or --schedule_tokens: the run goes on as if it had been given that budget
+    from the start, so the steps it ran must keep their learning rates."""
+    per_step = new.batch_size * new.seq_len
+    if new.tokens // per_step < state["phase_step"]:
+        raise InputError(f"--tokens={new.tokens:,}: the run has trained {state['phase_tokens']:,} tokens "
+                         f"({state['phase_step']} steps) already; a budget continues it from there")
+    t = first_changed_rate(old, new, state["schedule_tokens_done"], per_step, learning_rate)
+    if t is not None:
+        budget = f"--tokens={new.tokens:,}" + (f" --schedule_tokens={new.schedule_tokens:,}"
+                                               if new.schedule_tokens != old.schedule_tokens else "")
+        raise InputError(f"{budget}: over that budget its {new.schedule} schedule would give the step at token {t:,} "
+                         f"the learning rate {learning_rate(new, t):.4g}, and it ran at {learning_rate(old, t):.4g}. "
+                         f"Only a schedule whose steps so far keep their rates grows (constant; wsd before its "
+                         f"decay); go on with a phase hand-off instead (--init_from={new.out_dir})")
 
 
 def check_finite(loss, grad_norm, step, cfg):

@@ -1,10 +1,18 @@
 """What a training run prints and logs: where it starts and its plan, a record and a line per step (with
-MFU against a per-GPU peak), and the summary at the end. A reader of the recipe may skip this file."""
+MFU against a per-GPU peak), the summary at the end with the commands that go on from the run, and the model
+card. A reader of the recipe may skip this file."""
 import dataclasses
 import json
+import os
+import shlex
 import sys
 
 import torch
+
+from machinery import flags
+from machinery.cli import InputError, launcher, read_json
+from machinery.curves import run_dir_of
+from machinery.rundir import ROOT, RunDir, continuation_dir, latest_state
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU, for MFU
 
@@ -16,13 +24,39 @@ def peak_flops(device):
     return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
 
 
-def start(how, cfg, step, source):
-    """The one line that says how the run starts and what it carries over."""
+def start(how, cfg, step, source, state, schedule_from, learning_rate):
+    """The line that says how the run starts and what it carries over; for a resume with a new budget, or a
+    hand-off, a line on what happens to the schedule."""
     print({"resume": f"resume {cfg.out_dir} at phase step {step}: weights, Adam moments, step counter, "
                      f"schedule, data position and RNG states",
            "handoff": f"phase hand-off from {source}: weights, Adam moments, step counter and data position",
            "weights": f"weights from {source}; a fresh optimizer, and the data from its first sequence",
            "fresh": f"a fresh {cfg.preset} model (seed {cfg.seed})"}[how])
+    saved = state["config"] if state else {}
+    if how == "resume" and saved["tokens"] != cfg.tokens:
+        print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {step} steps run keep "
+              f"their learning rates")
+    if how == "handoff" and schedule_from:
+        print(f"the {cfg.schedule} schedule goes on from token {schedule_from:,} of {cfg.schedule_tokens:,}: "
+              f"no second warmup")
+    elif how == "handoff" and cfg.warmup_tokens:
+        print(f"the schedule starts again: the learning rate warms up from 0 over {cfg.warmup_tokens:,} tokens (a "
+              f"hand-off continues its parent's schedule only where both give the same --schedule and "
+              f"--schedule_tokens; {cfg.init_from} ran {saved['schedule']} over "
+              f"{saved['schedule_tokens'] or 'its own --tokens'}){longer_instead(cfg, state, learning_rate)}")
+
+
+def longer_instead(cfg, state, learning_rate):
+    """For a hand-off to the phase of its parent, whose schedule allows it: the command that makes the parent
+    itself longer by as many tokens, its schedule kept."""
+    parent = dataclasses.replace(cfg, **state["config"])
+    longer = dataclasses.replace(parent, tokens=parent.tokens + cfg.tokens)
+    per_step = parent.batch_size * parent.seq_len
+    if parent.phase != cfg.phase or parent.schedule_tokens or flags.first_changed_rate(
+            parent, longer, state["schedule_tokens_done"], per_step, learning_rate) is not None:
+        return ""
+    return f". To train {cfg.init_from} itself for longer instead, its schedule kept: " \
+           f"{command('--resume', f'--out_dir={cfg.init_from}', f'--tokens={longer.tokens}')}"
 
 
 def plan(r, total_steps):
@@ -69,31 +103,195 @@ def duration(seconds):
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def summary(r, total_steps, signalled, elapsed):
-    """How the run ended; for a finished phase, its last validation losses, where the model is, and the
-    commands that use it and continue it."""
+def last_validation(log_path):
+    """The newest validation record of a log.jsonl ({"step": ..., "val_mlm": ..., "val_clm": ...}), {} if none."""
+    val = {}
+    if os.path.isfile(log_path):
+        with open(log_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by a kill
+                    continue
+                val = record if isinstance(record, dict) and "val_mlm" in record else val
+    return val
+
+
+def command(*flags_):
+    """A train.py command line that runs as printed: this process's launcher, the script, the flags quoted."""
+    return " ".join(shlex.quote(word) for word in [*launcher(os.path.join(ROOT, "train.py")), *flags_])
+
+
+def continuations(r, total_steps, learning_rate):
+    """The commands that go on from this run, as (label, command, what it does): --resume until the budget is
+    run; then the rest of a schedule that spans phases, or a longer run and the short decay where the schedule
+    allows them. A hand-off names its --out_dir where the default one is taken."""
     cfg, out = r.cfg, r.cfg.out_dir
+    per_step = cfg.batch_size * cfg.seq_len
+    if r.step < total_steps:
+        return [("continue", command("--resume", f"--out_dir={out}"), "to the end of its budget")]
+    rest = cfg.schedule_tokens - r.schedule_start - r.phase_tokens if cfg.schedule_tokens else 0
+    if rest >= per_step:  # a hand-off continues the schedule (MLM after CLM, as the biphasic study)
+        mlm = [f"--mask_rate={cfg.mask_rate}"] if cfg.objective == "mlm" else []
+        return [("next", handoff(out, "mlm", *mlm, f"--schedule={cfg.schedule}",
+                                 f"--schedule_tokens={cfg.schedule_tokens}", f"--tokens={rest}"),
+                 "the rest of its schedule")]
+    if cfg.phase == "decay":  # the end of the recipe
+        return []
+    hints = []
+    longer = dataclasses.replace(cfg, tokens=2 * cfg.tokens)
+    done = r.schedule_start + r.phase_tokens
+    if not cfg.schedule_tokens and flags.first_changed_rate(cfg, longer, done, per_step, learning_rate) is None:
+        hints.append(("longer", command("--resume", f"--out_dir={out}", f"--tokens={longer.tokens}"),
+                      "the same run and schedule, twice the budget"))
+    if cfg.schedule == "constant" and r.phase_tokens // 10 >= per_step:
+        hints.append(("next", handoff(out, "decay"), "the short MLM decay, 10% of its tokens"))
+    return hints
+
+
+def handoff(out, phase, *flags_):
+    """A phase hand-off from the run in `out`, with an --out_dir of its own where the default one exists."""
+    default, n = continuation_dir(out, phase), 2
+    while os.path.lexists(f"{default}-{n}"):
+        n += 1
+    where = [f"--out_dir={default}-{n}"] if os.path.lexists(default) else []
+    return command(f"--phase={phase}", f"--init_from={out}", *where, *flags_)
+
+
+def summary(r, total_steps, signalled, elapsed, learning_rate):
+    """How the run ended; for a finished phase, its last validation losses, where the model is, and the
+    commands that go on from it."""
+    cfg, out = r.cfg, r.cfg.out_dir
+    hints = continuations(r, total_steps, learning_rate)
     print("-" * 100)
-    if signalled or r.step < total_steps:
+    if r.step < total_steps:
         why = "interrupted by a signal" if signalled else "--max_steps"
         print(f"stopped at step {r.step} of {total_steps} ({why}) after {duration(elapsed)}; saved. Continue "
-              f"with:\n    python train.py --resume --out_dir={out}")
+              f"with:\n    {hints[0][1]}")
+        if signalled and r.world > 1:  # torchrun's agent got the signal too, or sees its workers stop
+            print("torchrun reports the stop next, with a traceback of its own and exit status 1; the checkpoint "
+                  "above is complete and the command above continues it")
         return
-    val = {}
-    with open(r.run_dir.log_path) as f:
-        for line in f:
-            val.update({k: v for k, v in json.loads(line).items() if k.startswith("val_")})
+    val = last_validation(r.run_dir.log_path)
     print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
           f"CLM {val.get('val_clm', float('nan')):.4f}\n"
-          f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files)\n"
+          f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
+          f"README.md)\n"
           f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
-    rest = (cfg.schedule_tokens or cfg.tokens) - r.schedule_start - r.phase_tokens
-    if rest > 0:  # the schedule goes on in a later phase: a hand-off continues it (MLM after CLM, as the study)
-        mlm = f"--phase=mlm --mask_rate={cfg.mask_rate}" if cfg.objective == "mlm" else "--phase=mlm"
-        print(f"next:       python train.py {mlm} --init_from={out} --schedule={cfg.schedule} "
-              f"--schedule_tokens={cfg.schedule_tokens} --tokens={rest}   # the rest of its schedule")
-    elif cfg.phase != "decay" and cfg.schedule == "constant":  # a decay-free phase: the paper's recipe decays it
-        print(f"next:       python train.py --phase=decay --init_from={out}   # the short MLM decay")
+    for label, line, why in hints:
+        print(f"{label + ':':<12}{line}   # {why}")
+
+
+# -----------------------------------------------------------------------------
+# The model card: OUT/README.md in Hugging Face's format, rewritten at each save (rundir.write_card) until edited.
+
+
+def card(r, learning_rate):
+    """The model card of the run as it stands at this save: YAML front matter the hub reads, then the chain of
+    phases, the data, the last validation losses and the commands that use and continue it."""
+    cfg, out = r.cfg, r.cfg.out_dir
+    total_steps = cfg.tokens // (cfg.batch_size * cfg.seq_len)
+    chain = [*({**h, "config": config_of(h["dir"])} for h in r.history),
+             {"phase": cfg.phase, "tokens": r.phase_tokens, "dir": out, "config": dataclasses.asdict(cfg)}]
+    meta = {"library_name": "transformers", "pipeline_tag": "fill-mask",
+            **({"base_model": cfg.base_model} if cfg.base_model else {}),
+            **({"license": cfg.license} if cfg.license else {}),
+            **({"language": cfg.language.split(",")} if cfg.language else {}),
+            "tags": ["modernbert", "fill-mask", "train.py", "phases-" + "-".join(c["phase"] for c in chain)]}
+    val = last_validation(r.run_dir.log_path)
+    lines = ["---", *yaml_lines(meta), "---", "", f"# {os.path.basename(out)}", "",
+             f"A ModernBERT encoder ({cfg.preset or 'custom'} architecture, {r.model.num_params():,} parameters) "
+             f"trained by train.py, {r.step} of {total_steps} steps of its phase. It loads with "
+             f"`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`).", "",
+             "## Training", "", f"Started from {origin(chain[0]['config'])}.", "",
+             "| phase | objective | tokens | schedule | run |", "|---|---|---|---|---|",
+             *(row(c) for c in chain), "",
+             f"Batch {cfg.batch_size} x {cfg.seq_len} tokens, AdamW (peak lr {cfg.lr:g}, betas {cfg.beta1}, "
+             f"{cfg.beta2}, weight decay {cfg.weight_decay:g}), seeds {cfg.seed} (model, masks) and {cfg.data_seed} "
+             f"(data order).", "",
+             "## Data", "", f"Prepared by `data.py` ({r.meta['vocab_size']:,}-token vocabulary):", "",
+             "| source | documents | training tokens | sha256 |", "|---|---|---|---|",
+             *data_rows(r.meta), "",
+             "## Validation", ""]
+    if "val_mlm" in val:
+        lines += [f"At step {val['step']}, on the first {cfg.eval_sequences} windows of {cfg.seq_len} tokens of the "
+                  f"validation split: MLM loss (15% masked) {val['val_mlm']:.4f}, CLM loss {val['val_clm']:.4f}."]
+    else:
+        lines += ["None yet."]
+    hints = continuations(r, total_steps, learning_rate)
+    lines += ["", "## Use", "", "```python", "from transformers import pipeline",
+              f"fill = pipeline(\"fill-mask\", model={json.dumps(out)})", "```", "", "## Continue", "",
+              *(["```bash", *(f"{line}   # {why}" for _, line, why in hints), "```"] if hints else
+                ["Nothing: the recipe ends with this phase."]), "",
+              "`log.jsonl` holds every step's record, `loss.png` draws them; `checkpoints/` (with the optimizer "
+              "state) is what `--resume` reads, not needed to use the model.", "",
+              "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]
+    return "\n".join(lines)
+
+
+def base_model(init_from, state):
+    """The card's base model where --base_model names none: the one of the run of ours we start from (`state`:
+    its checkpoint's), or --init_from's hub id; none for a fresh model or a local directory, whose hub id is
+    unknown."""
+    if state is not None:
+        return state["config"].get("base_model", "")  # none in a checkpoint written before it existed
+    return "" if init_from == "scratch" or os.path.isdir(init_from) else init_from
+
+
+def yaml_lines(meta):
+    """Front matter as YAML: a JSON string is a YAML double-quoted scalar, so no YAML library is needed."""
+    lines = []
+    for key, value in meta.items():
+        if isinstance(value, list):
+            lines += [f"{key}:", *(f"- {json.dumps(v)}" for v in value)]
+        else:
+            lines.append(f"{key}: {json.dumps(value)}")
+    return lines
+
+
+def config_of(folder):
+    """The configuration of an earlier run of the chain (`folder`: the checkpoint it was left at, or its run
+    directory where that checkpoint was pruned since); {} where it is gone."""
+    try:
+        return read_json(os.path.join(folder, "state.json"))["config"]
+    except (InputError, KeyError, TypeError):
+        pass
+    try:
+        return RunDir.open(run_dir_of(folder)).latest_state()["config"]
+    except (InputError, KeyError, TypeError):  # moved, deleted or damaged since: the history's words only
+        return {}
+
+
+def origin(config):
+    """Where the first run of the chain started: a fresh model, a checkpoint, or a run of ours (--weights_only)."""
+    if config.get("init_from", "scratch") == "scratch":
+        return f"a fresh `{config.get('preset', '?')}` model" if config else "an earlier run"
+    try:
+        state = latest_state(config["init_from"])
+    except InputError:  # damaged since: its name alone
+        state = None
+    what = f" (a run of train.py: {state['phase']}, {state['phase_tokens']:,} tokens)" if state else ""
+    return f"the weights of `{config['init_from']}`{what}"
+
+
+def row(c):
+    config = c["config"]
+    if not config:
+        return f"| {c['phase']} | | {c['tokens']:,} | | `{run_dir_of(c['dir'])}` |"
+    objective = "CLM" if config["objective"] == "clm" else f"MLM {config['mask_rate']:.0%}"
+    warmup = f", warmup {config['warmup_tokens']:,}" if config["warmup_tokens"] else ""
+    budget = config["schedule_tokens"] or config["tokens"]
+    return f"| {c['phase']} | {objective} | {c['tokens']:,} | {config['schedule']} over {budget:,}{warmup} | " \
+           f"`{run_dir_of(c['dir'])}` |"
+
+
+def data_rows(meta):
+    """A row per source of meta.json (data.py records them; an older meta.json may not)."""
+    per_source = meta["splits"]["train"].get("per_source") or {}
+    sources = [s for s in meta.get("sources") or [] if isinstance(s, dict)]
+    return [f"| {s.get('name', '?')} | {s.get('documents', 0):,} | "
+            f"{per_source.get(s.get('name'), {}).get('tokens', 0):,} | `{str(s.get('sha256', ''))[:16]}` |"
+            for s in sources] or [f"| (not recorded) | | {meta['splits']['train']['tokens']:,} | |"]

@@ -9,6 +9,8 @@ A run directory OUT, as train.py writes it:
                                     copies of the latest checkpoint's Hugging Face files: OUT loads with
                                     from_pretrained; train.py never reads them, and the next save replaces them
     OUT/log.jsonl                   one JSON record per line (train.py writes it)
+    OUT/README.md                   the model card, rewritten at each save while it is ours: it ends with our
+                                    mark, the sha256 of the text above it; a card the user wrote or edited is theirs
     OUT/checkpoints/step-00000050/  .checkpoint (the run_id), the Hugging Face files, optimizer.safetensors,
                                     state.json (written last; lists the other files' sizes)
     OUT/.lock                       held by the process writing the run
@@ -61,6 +63,8 @@ OUTPUTS = ("checkpoints", "log.jsonl", "loss.png", "state.json", *CHECKPOINT_FIL
 # it writes, .tmp-step-N-<pid>-replaced for the earlier step-N of ours it replaces.
 FOLDER = re.compile(r"(\.tmp-)?step-(?P<step>\d{8,})(-[0-9a-f]+)?(-replaced)?")
 MAX_INT = 2 ** 62  # counters are far below it; a larger value is a corrupt or edited file
+CARD = "README.md"  # Hugging Face's name for a model card: the hub shows it, `hf upload` publishes it
+CARD_MARK = "<!-- written by train.py, rewritten at each save until edited; sha256 of the text above: {} -->"
 
 
 class RunDir:
@@ -200,6 +204,28 @@ class RunDir:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, self.log_path)
+
+    # ---- the model card ------------------------------------------------------------------------------------
+
+    def write_card(self, text):
+        """Make OUT/README.md `text` if the card there is ours: missing, or written by a save and unchanged since
+        (its last line, our mark, holds the sha256 of the text above it). A card the user wrote, edited, linked or
+        replaced is left as it is. Written beside its name and renamed over it: a kill leaves the old card or the
+        new one. Returns whether it was written."""
+        path = os.path.join(self.path, CARD)
+        if not card_is_ours(path):
+            return False
+        text = text.rstrip("\n") + "\n"
+        tmp = f"{path}.tmp-{self.run_id}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text + CARD_MARK.format(hashlib.sha256(text.encode()).hexdigest()) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            _remove_file(tmp)
+        return True
 
     # ---- reading -------------------------------------------------------------------------------------------
 
@@ -385,6 +411,28 @@ def release_lock(handle):
     handle.close()
 
 
+def card_is_ours(path):
+    """Whether the model card at `path` may be rewritten by a save: missing, or a plain file whose last line is
+    our mark holding the sha256 of the lines above it."""
+    if not os.path.lexists(path):
+        return True
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    text, _, mark = data.rstrip(b"\n").rpartition(b"\n")
+    digest = hashlib.sha256(text + b"\n").hexdigest()
+    return mark.decode("utf-8", "replace") == CARD_MARK.format(digest)
+
+
+def continuation_dir(parent, phase):
+    """The default out_dir of a run that continues the run in `parent`: named after it (out/demo-mlm-clm)."""
+    return f"{os.path.normpath(parent)}-{phase}"
+
+
 def latest_state(path, phases=None, fields=None):
     """The newest complete checkpoint's state of the run in `path` (with "dir"), None if `path` is no run of
     ours or holds no checkpoint yet."""
@@ -525,16 +573,17 @@ def _setting(value, field, kind=None):
 
 
 def _config(value, fields):
-    """The resolved configuration: {name: value}, every one of `fields` there with its type when given."""
+    """The resolved configuration: {name: value}, every one of `fields` there (those whose type ends in "?" may
+    be missing) with its type when given."""
     if fields is None:
         return _object(value, "config", _setting, 512)
     _object(value, "config", lambda v, f: None, 512)
     for key, item in value.items():
         if key not in fields:
             raise _Bad(f"config.{key}", f"not a setting of train.py (known: {', '.join(sorted(fields))})")
-        _setting(item, f"config.{key}", fields[key])
+        _setting(item, f"config.{key}", fields[key].rstrip("?"))
     for key in fields:
-        if key not in value:
+        if key not in value and not fields[key].endswith("?"):  # "?": a setting an older checkpoint may lack
             raise _Bad(f"config.{key}", "missing")
     return value
 

@@ -331,6 +331,89 @@ def test_a_copy_is_a_file_of_its_own_whatever_the_file_system_supports(tmp_path,
     assert len(src.read_bytes()) == 3 << 20
 
 
+# ---- the model card: rewritten at each save while it is ours, the user's once edited ------------------------
+
+
+def test_the_model_card_is_ours_until_the_user_touches_it(tmp_path):
+    run = RunDir.create(str(tmp_path / "run"))
+    card = tmp_path / "run" / "README.md"
+    assert run.write_card("---\nlibrary_name: transformers\n---\n\n# one") and rundir.card_is_ours(str(card))
+    assert card.read_text().startswith("---\nlibrary_name: transformers\n---\n\n# one\n<!-- written by train.py")
+    assert run.write_card("# two") and card.read_text() == mark_of("# two")  # ours: rewritten
+    for edit in (lambda t: t.replace("two", "mine"),  # a word changed above the mark
+                 lambda t: t + "my notes below the mark\n",  # the mark no longer last
+                 lambda t: t.splitlines()[0] + "\n"):  # the mark removed
+        card.write_text(edit(card.read_text()))
+        edited = card.read_text()
+        assert not run.write_card("# three") and card.read_text() == edited
+        os.remove(card)
+        assert run.write_card("# two")  # a card deleted is written again
+    os.remove(card)
+    (tmp_path / "notes.md").write_text("# my card")
+    os.symlink(tmp_path / "notes.md", card)  # a link to a card of the user's, even one with our mark
+    assert not run.write_card("# four") and (tmp_path / "notes.md").read_text() == "# my card"
+    os.remove(card)
+    card.mkdir()
+    assert not run.write_card("# five") and os.listdir(card) == [] and leftovers(run) == []
+
+
+def mark_of(text):
+    """The card a save writes for `text`: the text, then our mark with the sha256 of the text."""
+    return text + "\n" + rundir.CARD_MARK.format(hashlib.sha256((text + "\n").encode()).hexdigest()) + "\n"
+
+
+def front_matter(card):
+    """The YAML front matter of a model card as a dict (PyYAML when installed, else its key: value lines)."""
+    head = card.split("---\n")[1]
+    try:
+        import yaml
+        return yaml.safe_load(head)
+    except ImportError:
+        meta, key = {}, None
+        for line in head.splitlines():
+            if line.startswith("- "):
+                meta[key].append(json.loads(line[2:]))
+            else:
+                key, _, value = line.partition(": ")
+                key = key.rstrip(":")
+                meta[key] = json.loads(value) if value else []
+        return meta
+
+
+def test_a_run_writes_a_model_card_that_the_hub_reads_and_leaves_an_edited_one(stopped_run, tmp_path, capsys):
+    """Each save writes OUT/README.md in Hugging Face's format from the run: front matter (YAML) with the flags'
+    license, language and base model, the chain of phases, the data, the last validation losses and the command
+    that continues the run. An edited card survives the next saves, and transformers still loads the folder."""
+    import train
+    _, stopped = stopped_run
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    train.main([f"--out_dir={out}", "--resume", "--max_steps=1", "--license=apache-2.0", "--language=en,de",
+                "--base_model=answerdotai/ModernBERT-base", "--eval_interval=1"])
+    card = (out / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta == {"library_name": "transformers", "pipeline_tag": "fill-mask", "license": "apache-2.0",
+                    "language": ["en", "de"], "base_model": "answerdotai/ModernBERT-base",
+                    "tags": ["modernbert", "fill-mask", "train.py", "phases-mlm"]}
+    val = [r for r in map(json.loads, open(out / "log.jsonl")) if "val_mlm" in r][-1]
+    assert f"At step 3, on the first 2 windows of 128 tokens of the validation split: MLM loss (15% masked) " \
+           f"{val['val_mlm']:.4f}, CLM loss {val['val_clm']:.4f}." in card
+    assert f"train.py --resume --out_dir={out}   # to the end of its budget" in card  # 3 of 4 steps
+    assert "| mlm | MLM 30% | 1,536 | constant over 2,048, warmup 1,024 |" in card and "| corpus | 300 |" in card
+    hub = pytest.importorskip("huggingface_hub")
+    assert hub.ModelCard.load(str(out / "README.md")).data.to_dict() == meta  # what the hub reads
+    edited = card.replace("# run", "# My continued ModernBERT")
+    (out / "README.md").write_text(edited)
+    train.main([f"--out_dir={out}", "--resume"])
+    assert (out / "README.md").read_text() == edited and latest_step(out) == 4
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoModelForMaskedLM.from_pretrained(str(out)).config.model_type == "modernbert"
+
+
+def latest_step(out):
+    return RunDir.open(str(out)).latest_state()["phase_step"]
+
+
 # ---- creating, opening, locking ------------------------------------------------------------------------------
 
 

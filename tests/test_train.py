@@ -4,6 +4,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -58,6 +60,32 @@ def latest(out_dir):
 def run(corpus, out_dir, *flags):
     train.main([f"--data={corpus}", f"--out_dir={out_dir}", *small(*flags)])
     return load_file(os.path.join(out_dir, "model.safetensors")), latest(out_dir)
+
+
+def printed_commands(text):
+    """The commands a run printed, by label: `next:` and `longer:` lines, the line after `Continue with:`, and
+    the command a hand-off that warms up again suggests instead."""
+    found, lines = {}, text.splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith("Continue with:"):
+            found.setdefault("continue", []).append(lines[i + 1].strip())
+        if m := re.match(r"(next|longer): +(.*?)   # ", line):
+            found.setdefault(m[1], []).append(m[2])
+        if m := re.search(r"itself for longer instead, its schedule kept: (.*)$", line):
+            found.setdefault("instead", []).append(m[1])
+    return found
+
+
+def run_printed(command):
+    """A printed `python train.py ...` command, run as the shell would run it from here (in this process)."""
+    argv = shlex.split(command)
+    assert argv[0] == "python" and os.path.samefile(argv[1], ROOT / "train.py"), command
+    train.main(argv[2:])
+
+
+def lrs(out_dir):
+    """The learning rate of every training step in a run's log.jsonl."""
+    return [r["lr"] for r in map(json.loads, open(os.path.join(out_dir, "log.jsonl"))) if "loss" in r]
 
 
 # --- optimizer and schedules -----------------------------------------------------------------------
@@ -407,6 +435,38 @@ def test_headline_command_on_n_processes(nproc, demo_corpus, tmp_path):
                                  data.load_tokenizer(data.load_meta(demo_corpus)["tokenizer"]))
 
 
+@pytest.mark.slow  # two launches of torchrun with 2 processes
+def test_ctrl_c_under_torchrun_prints_the_torchrun_command_that_resumes(corpus, tmp_path):
+    """Ctrl-C in a terminal signals torchrun's process group (its workers have sessions of their own): the agent
+    forwards one SIGINT to each worker, which save and print the torchrun command to continue; then torchrun prints
+    its own SignalException traceback and exits 1. Our part prints none; the command, run as printed, resumes to
+    the end, at the weights of an uninterrupted run (1 process: the same gradients to float rounding)."""
+    flags = [f"--data={corpus}", *small(f"--tokens={8 * STEP_TOKENS}", "--log_interval=1", "--threads=1")]
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "train.py"), *flags, f"--out_dir={out}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("mlm step 2/"):
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the terminal signals the foreground group
+            break
+    printed = proc.communicate()[0]
+    assert proc.returncode == 1 and "interrupted by a signal" in printed, printed[-3000:]
+    assert printed.count("Traceback") == 1 and "SignalException" in printed, printed[-3000:]  # torchrun's only
+    assert "torchrun reports the stop next, with a traceback of its own and exit status 1" in printed
+    (resume,) = printed_commands(printed)["continue"]
+    assert resume == f"torchrun --standalone --nproc_per_node=2 {ROOT / 'train.py'} --resume --out_dir={out}"
+    assert 2 <= latest(out)["phase_step"] < 8
+    result = subprocess.run(resume, shell=True, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and "done: phase mlm" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    log = [json.loads(line) for line in open(out / "log.jsonl")]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 9))
+    train.main([*flags, f"--out_dir={tmp_path / 'one'}"])
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all((one[k] - two[k]).abs().max().item() <= 1e-5 for k in one)
+
+
 @pytest.mark.slow  # SIGKILL and resume are also covered by the phase-switch test
 def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_path):
     """Kill -9 the demo after its first checkpoint, --resume it: the same weights as a run never interrupted."""
@@ -515,11 +575,14 @@ def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus,
             break
     rest, err = proc.communicate()
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "interrupted by a signal" in rest and f"python train.py --resume --out_dir={out}" in rest
+    assert "interrupted by a signal" in rest
     assert 2 <= latest(out)["phase_step"] < 6
-    train.main([f"--out_dir={out}", "--resume"])
+    (resume,) = printed_commands(rest)["continue"]
+    assert resume.endswith(f"train.py --resume --out_dir={out}")
+    run_printed(resume)  # as printed: it continues to the end of the budget
     straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert lrs(out) == lrs(tmp_path / "straight")
 
 
 def test_help_lists_every_flag_with_the_chosen_recipes_default():
@@ -536,3 +599,108 @@ def test_integers_are_exact_and_a_flag_is_given_once():
     assert given == {"seed": 9007199254740993, "tokens": 10**10, "data_seed": 1000}
     with pytest.raises(InputError, match="--lr is given twice"):
         flag_rules.parse(["--lr=1e-3", "--lr=2e-3"], train.Config)
+
+
+# --- the commands a run prints: each runs as printed and does what it says ----------------------------------
+
+
+def test_every_command_the_demo_chain_prints_runs_as_printed(demo_corpus, tmp_path, monkeypatch, capsys):
+    """The module docstring's chain at a tiny budget (start -> detour with --weights_only -> decay), from the
+    folder it is typed in: each printed `next:` and `longer:` command runs as printed and does what its comment
+    says, a taken default --out_dir makes the command name another, and the `use it:` line fills a mask."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    os.symlink(demo_corpus, tmp_path / "data" / "demo")  # the demo corpus where the demo recipe looks, built
+    tiny = ["--seq_len=128", "--batch_size=4", f"--tokens={10 * STEP_TOKENS}", "--warmup_tokens=2048",
+            "--eval_sequences=2", "--eval_interval=1000", "--save_interval=0", "--threads=1"]
+
+    train.main(tiny)  # python train.py
+    said = printed_commands(capsys.readouterr().out)
+    assert said.keys() == {"next", "longer"}
+    run_printed(said["next"][0])  # the short MLM decay, 10% of its tokens: one step, from the peak, no warmup
+    decay = latest("out/demo-mlm-decay")
+    assert (decay["phase"], decay["phase_tokens"], decay["history"][0]["tokens"]) == ("decay", STEP_TOKENS,
+                                                                                   10 * STEP_TOKENS)
+    assert lrs("out/demo-mlm-decay") == [2e-3]
+    capsys.readouterr()
+    run_printed(said["longer"][0])  # the same run and schedule, twice the budget
+    printed = capsys.readouterr().out
+    assert "its budget goes from 5,120 to 10,240 tokens" in printed and latest("out/demo-mlm")["phase_step"] == 20
+    whole = train.Config(lr=2e-3, warmup_tokens=2048, tokens=20 * STEP_TOKENS)
+    assert lrs("out/demo-mlm") == [train.learning_rate(whole, k * STEP_TOKENS) for k in range(20)]
+    before = (tmp_path / "out/demo-mlm-decay/model.safetensors").read_bytes()
+    (decay_again,) = printed_commands(printed)["next"]
+    assert "--out_dir=out/demo-mlm-decay-2" in decay_again  # the default is the first decay's
+    run_printed(decay_again)
+    assert latest("out/demo-mlm-decay-2")["phase_tokens"] == 2 * STEP_TOKENS  # 10% of the longer run
+    assert (tmp_path / "out/demo-mlm-decay/model.safetensors").read_bytes() == before
+
+    train.main(["--phase=clm", "--init_from=out/demo-mlm", "--weights_only", *tiny])  # the detour
+    said = printed_commands(capsys.readouterr().out)
+    assert said["next"] == [f"python {ROOT / 'train.py'} --phase=decay --init_from=out/demo-mlm-clm"]
+    run_printed(said["next"][0])
+    printed = capsys.readouterr().out
+    assert printed_commands(printed) == {} and latest("out/demo-mlm-clm-decay")["history"][0]["phase"] == "clm"
+    use = re.search(r"^use it: +(.*)$", printed, re.M)[1]
+    python, flag, code = shlex.split(use)
+    assert (python, flag) == ("python", "-c") and "model='out/demo-mlm-clm-decay'" in code
+    pytest.importorskip("transformers")
+    exec(code, {})
+    assert "'token_str'" in capsys.readouterr().out  # five guesses for [MASK]
+
+
+def test_the_rest_of_a_schedule_runs_as_printed(corpus, tmp_path, capsys):
+    """CLM for 2 of 6 steps of a WSD schedule prints the MLM hand-off that runs the other 4: run as printed (no
+    --decay_frac: a hand-off that continues a schedule takes its shape), its learning rates are the schedule's."""
+    train.main([f"--data={corpus}", f"--out_dir={tmp_path / 'clm'}",
+                *small(*BIPHASIC, "--phase=clm", f"--tokens={2 * STEP_TOKENS}")])
+    (command,) = printed_commands(capsys.readouterr().out)["next"]
+    assert "--decay_frac" not in command and f"--tokens={4 * STEP_TOKENS}" in command
+    run_printed(command)
+    assert "the wsd schedule goes on from token 1,024 of 3,072: no second warmup" in capsys.readouterr().out
+    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5)
+    assert lrs(tmp_path / "clm") + lrs(tmp_path / "clm-mlm") == \
+        [train.learning_rate(whole, k * STEP_TOKENS) for k in range(6)]
+
+
+@pytest.mark.parametrize("schedule", [["--schedule=constant"], ["--schedule=wsd", f"--decay_tokens={2 * STEP_TOKENS}"]],
+                         ids=["constant", "wsd-before-its-decay"])
+def test_a_run_made_longer_equals_the_run_given_that_budget_from_the_start(schedule, corpus, tmp_path, capsys):
+    """`--resume --tokens=N` (the `longer:` line of a finished constant run) continues the run bit for bit as if
+    it had been given N from the start: weights, Adam moments and every step's learning rate. A WSD run grows the
+    same way while its decay has not started; once a step ran in the decay, a new budget is refused."""
+    flags = [f"--data={corpus}", *small(*schedule, "--save_interval=1")]
+    train.main([*flags, f"--tokens={6 * STEP_TOKENS}", f"--out_dir={tmp_path / 'straight'}"])
+    out = tmp_path / "run"
+    capsys.readouterr()
+    if schedule == ["--schedule=constant"]:
+        train.main([*flags, f"--tokens={3 * STEP_TOKENS}", f"--out_dir={out}"])
+        (longer,) = printed_commands(capsys.readouterr().out)["longer"]
+        run_printed(longer)
+    else:  # 2 of 4 steps: its decay, over the last 2, has not started
+        train.main([*flags, f"--tokens={4 * STEP_TOKENS}", "--max_steps=2", f"--out_dir={out}"])
+        train.main([f"--out_dir={out}", "--resume", f"--tokens={6 * STEP_TOKENS}"])
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        straight, longer = (load_file(os.path.join(latest(d)["dir"], name)) for d in (tmp_path / "straight", out))
+        assert straight.keys() == longer.keys() and all(torch.equal(straight[k], longer[k]) for k in straight)
+    assert lrs(out) == lrs(tmp_path / "straight") and latest(out)["step"] == 6
+    if schedule != ["--schedule=constant"]:
+        with pytest.raises(InputError, match="would give the step at token 2,560 the learning rate"):
+            train.main([f"--out_dir={out}", "--resume", f"--tokens={8 * STEP_TOKENS}"])
+
+
+def test_a_hand_off_to_the_same_phase_that_warms_up_again_says_so(corpus, tmp_path, capsys):
+    """A same-phase hand-off without a shared --schedule_tokens starts a new schedule: one line says the rate warms
+    up from 0 again and why, and names the command that makes the parent longer instead, which runs as printed."""
+    first = tmp_path / "first"
+    run(corpus, first, f"--tokens={3 * STEP_TOKENS}")
+    capsys.readouterr()
+    run(corpus, tmp_path / "again", f"--tokens={2 * STEP_TOKENS}", f"--init_from={first}")
+    printed = capsys.readouterr().out
+    assert "the schedule starts again: the learning rate warms up from 0 over 1,024 tokens (a hand-off continues " \
+           "its parent's schedule only where both give the same --schedule and --schedule_tokens" in printed
+    assert lrs(tmp_path / "again")[0] == 0.0
+    (instead,) = printed_commands(printed)["instead"]
+    assert instead.endswith(f"--resume --out_dir={first} --tokens={5 * STEP_TOKENS}")
+    run_printed(instead)
+    assert lrs(first) == [0.0, 5e-4] + [1e-3] * 3 and latest(first)["phase_step"] == 5

@@ -123,6 +123,10 @@ BAD_FLAGS = [
     (["--ddp_timeout=0"], ["--ddp_timeout=0"]),
     (["--ddp_timeout=1e15"], ["--ddp_timeout=1000000000000000"]),  # the rendezvous's clock overflows
     (["--weights_only"], ["--weights_only", "fresh model"]),  # recorded, and meaning nothing
+    (["--log_to=tensorbored"], ["--log_to=tensorbored", "'tensorbored' is not a tracker", "tensorboard, wandb"]),
+    (["--license=Apache 2.0"], ["--license='Apache 2.0'", "apache-2.0"]),  # the model card's front matter
+    (["--language=English"], ["--language='English'", "en,de"]),
+    (["--base_model=a/b/c"], ["--base_model='a/b/c'", "hub id"]),
     # a micro-batch no machine holds (8 TiB of ids): the allocator's failure, as one line naming what to lower
     (["--batch_size=1099511627776", "--micro_batch_size=1099511627776", "--seq_len=3", "--tokens=1e13"],
      ["out of memory on cpu in step 1", "8.00 TiB", "1099511627776 x 3 tokens", "4 blocks 128 wide",
@@ -360,6 +364,24 @@ def test_second_writer_is_refused(demo_corpus, tmp_path, capsys):
     assert not (out / ".lock").exists()
 
 
+def test_a_checkpoint_older_than_the_settings_that_change_no_number_resumes(run_dir, tmp_path, capsys):
+    """A checkpoint written before --log_to and the model card's flags existed lacks them: it resumes and hands
+    off with their defaults. A missing setting that changes the numbers is still refused."""
+    out = copy_run(run_dir, tmp_path)
+    path = newest(out) / "state.json"
+    state = json.loads(path.read_text())
+    for key in ("log_to", "license", "language", "base_model"):
+        del state["config"][key]
+    path.write_text(json.dumps(state))
+    train.main([f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"])
+    assert RunDir.open(str(out)).latest_state()["config"]["license"] == ""
+    path = newest(out) / "state.json"
+    state = json.loads(path.read_text())
+    del state["config"]["lr"]
+    path.write_text(json.dumps(state))
+    fails(capsys, [f"--out_dir={out}", "--resume"], "state.json: config.lr: missing")
+
+
 def test_resume_continues_the_run_as_saved(run_dir, tmp_path, capsys):
     """--resume changes nothing that alters the numbers; a finished run says so and trains nothing."""
     out = copy_run(run_dir, tmp_path)
@@ -370,6 +392,22 @@ def test_resume_continues_the_run_as_saved(run_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "done: phase mlm" in printed and "nan" not in printed
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_a_new_budget_that_would_change_a_step_already_run_is_refused(run_dir, tmp_path, capsys):
+    """--resume --tokens continues a run as if it had that budget from the start: refused where a step already
+    run would have had another learning rate (a decay's 1-sqrt depends on its budget at every step) and below the
+    steps already run; the checkpoint is left as it was."""
+    out = copy_run(run_dir, tmp_path)
+    fails(capsys, [f"--out_dir={out}", "--resume", f"--tokens={STEP_TOKENS}"], "--tokens=512",
+          "has trained 1,024 tokens (2 steps) already")
+    decay = tmp_path / "decay"
+    train.main([f"--init_from={out}", f"--out_dir={decay}", "--phase=decay", *SMALL, f"--tokens={2 * STEP_TOKENS}"])
+    before = {p: p.read_bytes() for p in (decay / "checkpoints").rglob("*") if p.is_file()}
+    fails(capsys, [f"--out_dir={decay}", "--resume", f"--tokens={4 * STEP_TOKENS}"], "--tokens=2,048",
+          "1-sqrt schedule would give the step at token 512 the learning rate 0.000275, and it ran at 0.0001818",
+          "constant; wsd before its decay", f"--init_from={decay}")
+    assert {p: p.read_bytes() for p in (decay / "checkpoints").rglob("*") if p.is_file()} == before
 
 
 def test_impossible_phase_chains_are_refused(run_dir, demo_corpus, tmp_path, capsys):
