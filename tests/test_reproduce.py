@@ -381,3 +381,21 @@ def test_bad_flags_are_one_line_each(tmp_path):
         line, stdout = refused(*args)
         assert message in line and stdout == "", (args, line)
     assert not (tmp_path / "exp").exists() and os.listdir(tmp_path / "notes") == ["README.md"]
+
+
+def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
+    """Its content reaches the data stage's fingerprint through the tokenizer stage; counted as an input too, the
+    finished experiment's second invocation would see a file the first did not and refuse its own command."""
+    sys.path.insert(0, str(ROOT))
+    import reproduce
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")  # as the tokenizer stage leaves it
+    stages, tokenizer = reproduce.data_stages(64, [corpus], [corpus], out)
+    assert tokenizer == out / "tokenizer.json" and [s.name for s in stages] == ["tokenizer", "data-corpus"]
+    assert stages[1].inputs == [corpus]
+    mine = tmp_path / "mine.json"  # a tokenizer file of the user's is an input: its content counts
+    mine.write_text("{}")
+    assert reproduce.data_stages(mine, [], [corpus], out)[0][0].inputs == [corpus, mine]
