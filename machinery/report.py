@@ -218,7 +218,12 @@ def summary(rep, spec):
                 parts.append(f"{task} {t['metric']} {100 * d['mean']:+.1f} {span(d['low'], d['high'], '+.1f', 100)} "
                              f"({d['verdict']})")
             lines.append(f"- **{names.get(m, m)}** against {names.get(ref, ref)}: " + "; ".join(parts) + ".")
-    return lines + [""]
+    n = sum(not d["verdict"].startswith("not compared") for table in rep["losses"].values() for row in table.values()
+            for d in (row["val_mlm"].get("difference"), row["val_clm"].get("difference")) if d)
+    n += sum(not row["difference"]["verdict"].startswith("not compared") for c in rep["finetune"].values()
+             for t in c.values() for row in t["arms"].values() if "difference" in row)
+    return lines + ["", f"Each interval is 95% on its own: of the {n} differences compared above, about {n / 20:.1f} "
+                        f"would exclude 0 by chance if no method differed from its reference at all.", ""]
 
 
 def loss_tables(rep, spec):
