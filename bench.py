@@ -2,7 +2,7 @@
 Benchmarks (not tests): numbers to quote, medians of a few repeats, each against a peer in the same run.
 
     python bench.py train [--presets=base] [--phases=clm,mlm] [--seq_lens=1024,8192] [--micro_tokens=32768]
-    python bench.py data [--corpus=PATH] [--tokenizer=PATH] [--repeats=3]
+    python bench.py data [--corpus=PATH] [--tokenizer=PATH] [--workers=1,2] [--repeats=3]
     python bench.py gpu-report [--out=gpu-report.md]
 
 train: full training steps (forward, backward, optimizer) of our model and of transformers'
@@ -11,11 +11,15 @@ batches, the two models' steps interleaved so that a busy machine slows both ali
 (model.flops_per_token against train.py's per-GPU peak table), peak memory (the model's weights and Adam
 state, plus the most its step allocates) and the ratio to the peer. On a GPU it runs base at 1,024 and 8,192
 tokens per sequence, 32,768 tokens per micro-batch (the paper's 4 x 8,192), CLM and MLM, in bf16 autocast
-with our blocks compiled; on a CPU tiny and base at 2 x 256 tokens, so that CI runs the same code. It also
-prints, labelled as a prediction, the activation memory of the paper's setting (base, 4 x 8,192 tokens).
+with both models' blocks compiled (transformers' the same way as ours, so that the ratio measures the code); on
+a CPU tiny and base at 2 x 256 tokens, so that CI runs the same code. It also prints, labelled as a prediction,
+the activation memory of the paper's setting (base, 4 x 8,192 tokens). transformers' ModernBERT has no causal
+mode: for CLM it gets the causal masks as tensors ("sdpa+causal mask").
 
-data: tokenizer throughput against Hugging Face `tokenizers` on the same threads (and whether the ids agree),
-`prepare` end to end, and the loader's MLM batches of 8,192-token sequences on one core.
+data: `prepare` end to end per worker count (1, 2, 4, ... up to the cores) against Hugging Face `tokenizers` on as
+many threads, an Amdahl fit of the curve (the serial share) and its projection to 32 and 64 cores, labelled as
+such; whether the two tokenizers' ids agree; the loader's MLM and CLM batches of 8,192-token sequences on one core
+against transformers' DataCollatorForLanguageModeling. Ours and the peer's runs interleave (ours, peer, ours, ...).
 
 gpu-report: the GPU acceptance in one command: `python -m pytest -m gpu`, each test's result read from its
 JUnit XML, then `train` with its GPU defaults; one markdown file with the date, the GPU, the versions, the
@@ -38,7 +42,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from machinery.cli import (InputError, Parser, autocast, check_writable, out_of_memory, pick_device, pick_threads,
-                           positive_int, run)
+                           positive_int, run, usable_cores)
 from machinery.flags import MIN_SEQ_LEN
 
 HERE = Path(__file__).resolve().parent
@@ -51,59 +55,173 @@ CPU_DEFAULTS = dict(presets=["tiny", "base"], seq_lens=[256], micro_tokens=[512]
 LOADER_SEQ_LEN = 8192  # the data bench's loader reads the paper's sequences
 
 
-def timed(fn, repeats):
-    """(median seconds, last result) of fn() over `repeats` runs."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
-
-
 def bench_data(args):
+    """Prepare's throughput per worker count against Hugging Face tokenizers on as many threads, an Amdahl fit of
+    the curve and its projection; then the loader against transformers' collator. Each pair of measurements is
+    interleaved (ours, peer, ours, peer, ...), so that load from other processes hits both alike."""
+    import contextlib
+    import io
+
     import torch
     from tokenizers import Tokenizer as HFTokenizer  # a test oracle, never a dependency of data.py
 
     import data
 
-    texts = [text for text, _ in data.read_documents(args.corpus)]  # prepare's reader: its errors, by line
-    torch.set_num_threads(args.threads)
-    mb = sum(len(t.encode()) for t in texts) / 1e6
+    files = [f for source in data.find_sources([args.corpus]) for f in source.files]
+    texts = [text for f in files for text in data.read_documents(f)]  # prepare's reader: its errors, by line
+    ours = data.load_tokenizer(args.tokenizer)
+    cpu, quiet = torch.device("cpu"), contextlib.redirect_stdout(io.StringIO())
     with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "d"
         # prepare first: its checks of the corpus (documents enough for both splits) come before any timing
         try:
-            t_prep, meta = timed(lambda: data.prepare([args.corpus], str(args.tokenizer), Path(tmp) / "d",
-                                                      workers=args.threads), args.repeats)
+            with quiet, contextlib.redirect_stderr(io.StringIO()):
+                meta = data.prepare([args.corpus], ours, out, workers=1)
         except InputError as e:
             raise InputError(f"--corpus={args.corpus}: data.py prepare refuses it: {e}") from None
-        train_tokens = meta["splits"]["train"]["tokens"]
-        if train_tokens < LOADER_SEQ_LEN:
-            raise InputError(f"--corpus={args.corpus}: {train_tokens:,} train tokens, fewer than one "
+        splits = meta["splits"]
+        if splits["train"]["tokens"] < LOADER_SEQ_LEN:
+            raise InputError(f"--corpus={args.corpus}: {splits['train']['tokens']:,} train tokens, fewer than one "
                              f"{LOADER_SEQ_LEN:,}-token sequence of the loader's bench; give a larger corpus")
-        print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB of text; {args.threads} threads, "
-              f"median of {args.repeats}")
+        tokens, mb = splits["train"]["tokens"] + splits["val"]["tokens"], sum(map(len, map(str.encode, texts))) / 1e6
+        hf = HFTokenizer.from_file(str(args.tokenizer))
+        same = sum(a == e.ids for a, e in zip(ours.encode_batch(texts), hf.encode_batch(texts, add_special_tokens=False)))
+        print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB of text, {tokens:,} tokens; "
+              f"{usable_cores()} usable cores; median of {args.repeats}, interleaved with the peer")
+        print(f"identical ids {same}/{len(texts)} (data.py's tokenizer against Hugging Face tokenizers)")
 
-        ours, hf = data.load_tokenizer(args.tokenizer), HFTokenizer.from_file(str(args.tokenizer))
-        t_ours, ids_ours = timed(lambda: ours.encode_batch(texts, num_threads=args.threads), args.repeats)
-        t_one, _ = timed(lambda: ours.encode_batch(texts, num_threads=1), args.repeats)
-        t_hf, ids_hf = timed(lambda: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)],
-                             args.repeats)
-        same = sum(a == b for a, b in zip(ids_ours, ids_hf))
-        print(f"encode_batch  data.py {mb / t_ours:6.2f} MB/s ({mb / t_one:.2f} on 1 thread) | HF tokenizers "
-              f"{mb / t_hf:6.2f} MB/s | ratio {t_hf / t_ours:.2f}x | identical ids {same}/{len(texts)}")
-        print(f"prepare       {mb / t_prep:6.2f} MB/s of text end to end ({train_tokens:,} train tokens)")
+        def prepare(workers):
+            with quiet, contextlib.redirect_stderr(io.StringIO()):
+                data.prepare([args.corpus], ours, out, workers=workers)
+        peers = [Peer(files, args.tokenizer, n) for n in args.workers]
+        try:
+            steps = [step for n, peer in zip(args.workers, peers) for step in (lambda n=n: prepare(n), peer.encode)]
+            results = [seconds for seconds, _ in interleaved(steps, cpu, 1, args.repeats)]
+        finally:
+            for peer in peers:
+                peer.close()
+        print_prepare(args.workers, results[::2], results[1::2], tokens)
 
         # the loader on one core, as each training process has its own
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         torch.set_num_threads(1)
-        loader = data.Loader(Path(tmp) / "d", seq_len=LOADER_SEQ_LEN, batch_size=4, micro_batch_size=4,
-                             objective="mlm", mask_rate=0.3)
-        n = 20
-        t_load, _ = timed(lambda: [loader.next() for _ in range(n)], args.repeats)
-        print(f"Loader        {n * 4 * LOADER_SEQ_LEN / t_load / 1e6:6.2f} M tokens/s (MLM 30%, 4 x "
-              f"{LOADER_SEQ_LEN} per micro-batch, {t_load / n * 1e3:.1f} ms each, one core)")
+        print_loader(loader_rows(out, args.tokenizer, args.repeats), args.repeats)
+
+
+class Peer:
+    """A process that tokenizes the corpus with Hugging Face tokenizers on `threads` threads (its Rust thread pool is
+    sized once per process), once per line it reads: the peer of prepare on as many workers. It gets the texts
+    in memory and does no more than encode_batch; prepare also reads, splits, shuffles and writes."""
+
+    def __init__(self, files, tokenizer, threads):
+        env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true"}
+        self.process = subprocess.Popen([sys.executable, "-c", "import bench; bench.serve_peer()", str(tokenizer),
+                                         *map(str, files)], cwd=HERE, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.encode()  # its warm-up: the thread pool started, the texts read
+
+    def encode(self):
+        self.process.stdin.write("encode\n")
+        self.process.stdin.flush()
+        if not self.process.stdout.readline():
+            raise RuntimeError(f"the Hugging Face tokenizers peer stopped (exit status {self.process.wait()})")
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def serve_peer():
+    """The Peer's side: argv holds the tokenizer.json and the corpus's files."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from machinery.prepare import read_documents
+    hf = HFTokenizer.from_file(sys.argv[1])
+    texts = [text for f in sys.argv[2:] for text in read_documents(f) if text.strip()]
+    for _ in sys.stdin:
+        ids = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+        print(sum(map(len, ids)) + 2 * len(ids), flush=True)
+
+
+def worker_counts(cores):
+    """1, 2, 4, ... and the cores themselves: a curve for the fit."""
+    return sorted({1 << i for i in range(cores.bit_length()) if 1 << i <= cores} | {cores})
+
+
+def amdahl(counts, seconds):
+    """(a, b) of T(n) = a + b / n fitted to the measured times by least squares: a is the part no worker shares."""
+    import numpy as np
+    A = np.stack([np.ones(len(counts)), 1 / np.array(counts, float)], 1)
+    (a, b), *_ = np.linalg.lstsq(A, np.array(seconds), rcond=None)
+    return float(a), float(b)
+
+
+PROJECTED_CORES, PROJECTED_TOKENS = (32, 64), 10e9  # the paper's data: 10B tokens
+
+
+def print_prepare(counts, ours, peer, tokens):
+    head = f"{'workers':>7} | {'prepare tok/s':>13} | {'speed-up':>8} | {'HF encode_batch tok/s':>21} | {'ours/peer':>9}"
+    print("\nprepare end to end (read, tokenize, split, shuffle, write), against Hugging Face tokenizers' "
+          "encode_batch alone\non as many threads (texts in memory)\n" + head + "\n" + "-" * len(head))
+    for n, t, p in zip(counts, ours, peer):
+        print(f"{n:>7} | {tokens / t:>13,.0f} | {ours[0] / t:>7.2f}x | {tokens / p:>21,.0f} | {p / t:>8.2f}x")
+    if len(counts) < 2:
+        print("one worker count measured: no curve to fit")
+        return
+    a, b = amdahl(counts, ours)
+    print(f"Amdahl fit T(n) = {a:.3f} s + {b:.3f} s / n: serial share {a / (a + b):.1%} of the one-worker time "
+          f"(the fixed costs of this {tokens:,}-token corpus included: the share shrinks as a corpus grows)")
+    for n in PROJECTED_CORES:
+        rate = tokens / (a + b / n)
+        print(f"PROJECTION (the fit extrapolated, not measured): {n} cores {rate:,.0f} tokens/s, "
+              f"{PROJECTED_TOKENS / 1e9:.0f}B tokens in {PROJECTED_TOKENS / rate / 60:.1f} min")
+
+
+LOADER_BATCHES, LOADER_MICRO = 20, 4  # micro-batches per measurement, sequences per micro-batch
+
+
+def loader_rows(data_dir, tokenizer, repeats):
+    """(objective, ours tok/s, peer tok/s) for MLM at 30% and CLM: data.Loader against transformers'
+    DataCollatorForLanguageModeling (mlm=True, and mlm=False for CLM) on the same windows of train.bin."""
+    import numpy as np
+    import torch
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    import data
+    T, B, n = LOADER_SEQ_LEN, LOADER_MICRO, LOADER_BATCHES
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer), cls_token="[CLS]", sep_token="[SEP]",
+                                 pad_token="[PAD]", mask_token="[MASK]")
+    meta = data.load_meta(data_dir)
+    tokens = np.memmap(Path(data_dir) / "train.bin", dtype=meta["dtype"], mode="r")
+    rows = []
+    for objective in data.OBJECTIVES:
+        ours = data.Loader(data_dir, seq_len=T, batch_size=B, micro_batch_size=B, objective=objective,
+                           mask_rate=0.3)
+        order = data.Loader(data_dir, seq_len=T, batch_size=B, micro_batch_size=B).windows  # ours's windows
+        collate = DataCollatorForLanguageModeling(hf, mlm=objective == "mlm", mlm_probability=0.3,
+                                                  return_tensors="pt")
+        position = iter(range(0, 1 << 62, B))
+
+        def peer():
+            for _ in range(n):
+                start = next(position)
+                windows = order(np.arange(start, start + B))
+                collate([torch.from_numpy(tokens[w * T:(w + 1) * T].astype(np.int64)) for w in windows])
+        (t_ours, _), (t_peer, _) = interleaved([lambda: [ours.next() for _ in range(n)], peer],
+                                               torch.device("cpu"), 1, repeats)
+        rows.append((objective, n * B * T / t_ours, n * B * T / t_peer))
+    return rows
+
+
+def print_loader(rows, repeats):
+    head = f"{'objective':>9} | {'data.Loader tok/s':>17} | {'HF collator tok/s':>17} | {'ratio':>6}"
+    print(f"\nLoader: {LOADER_MICRO} x {LOADER_SEQ_LEN} tokens per micro-batch, {LOADER_BATCHES} per measurement, one "
+          f"core; the peer: transformers' DataCollatorForLanguageModeling on the same windows (mlm_probability "
+          f"0.3; mlm=False for CLM)\n" + head + "\n" + "-" * len(head))
+    for objective, ours, peer in rows:
+        name = "mlm 30%" if objective == "mlm" else objective
+        print(f"{name:>9} | {ours:>17,.0f} | {peer:>17,.0f} | {ours / peer:>5.2f}x")
 
 
 # ----------------------------------------------------------------------------
@@ -197,14 +315,15 @@ def measure(args, preset, phase, seq_len, micro):
     masks = causal_masks(seq_len, cfg.window, device) if causal else None
     forwards = {"ours": lambda: ours(x, labels=y_host, causal=causal)[1],
                 "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
+    # transformers' ModernBERT has no causal mode: it gets the causal (and sliding-window) masks as tensors
     row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
-               backend=ours.attention_backend(device), peer_attention=attn)
+               backend=ours.attention_backend(device), peer_attention=attn + "+causal mask" * causal)
     for name, model in (("ours", ours), ("peer", peer)):
         with torch.no_grad(), autocast(device):
             row[f"loss_{name}"] = forwards[name]().item()
         model.train()
-    if args.compile:
-        for block in ours.model.layers:  # regional compilation, as train.py does
+    if args.compile:  # regional compilation, as train.py does; the peer too, so that the ratio is the code's
+        for block in [*ours.model.layers, *peer.model.layers]:
             block.compile()
 
     def training_step(model, opt, forward):
@@ -367,7 +486,7 @@ def bench_section(rows, args, command, failure=None):
     precision = "bf16 autocast" if args.device.type == "cuda" else "fp32"
     lines = [f"## `{command}`: ours against transformers on the same device, weights, batch and optimizer",
              "", f"{args.warmup} warm-up steps, then the median of {args.steps}; the two models' steps interleaved; "
-             f"{precision}; our blocks compiled: {args.compile}. Peak GiB: the model's weights and Adam state "
+             f"{precision}; both models' blocks compiled: {args.compile}. Peak GiB: the model's weights and Adam state "
              f"plus the most its step allocated. MFU: model.flops_per_token (attention included) against the "
              f"GPU's dense bf16 peak. Loss: both models on the same first batch, before training.", "",
              "| preset | phase | seq x micro | ours: attention | tok/s | MFU | peak GiB | transformers: attention "
@@ -476,7 +595,7 @@ def parser():
     p = Parser(prog="bench.py", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = {"train": "training steps of our model against transformers' ModernBertForMaskedLM",
-                "data": "tokenizer, prepare and loader throughput",
+                "data": "prepare throughput per worker count, and the loader's, against Hugging Face",
                 "gpu-report": "the gpu test suite and the train bench, written to one markdown file"}
     t, d, g = (sub.add_parser(name, help=text, description=text) for name, text in commands.items())
     t.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when there is one")
@@ -489,14 +608,16 @@ def parser():
     t.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator warm-up)")
     t.add_argument("--steps", type=positive_int, default=10, help="timed steps of each model; the median counts")
     t.add_argument("--compile", type=flag_bool, default=None,
-                   help="torch.compile our blocks, as train.py does; None: on CUDA, not on a CPU (where it measured "
+                   help="torch.compile our blocks, as train.py does, and the peer's; None: on CUDA, not on a CPU (where it measured "
                         "1.01-1.05x for 11 s or more of compilation)")
     t.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="our attention backend")
     t.add_argument("--peer_attention", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"],
                    help="transformers' attn_implementation (auto: flash_attention_2 where installed, else sdpa)")
     t.add_argument("--json", help="also write the rows to this file")
-    d.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus" / "e3c_en_clinical_cases.jsonl",
-                   help="a .jsonl, .txt or .parquet file of documents, read as data.py prepare reads it")
+    d.add_argument("--corpus", type=Path, default=SHARED / "data" / "corpus",
+                   help="a file of documents or a folder of them, one source, read as data.py prepare reads it")
+    d.add_argument("--workers", type=counts(), help="prepare's worker counts to measure; None: 1, 2, 4, ... and the "
+                                                    "usable cores")
     d.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "modernbert" / "tokenizer.json",
                    help="a tokenizer.json that data.py loads")
     d.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; the median counts")
@@ -517,9 +638,10 @@ def resolve(args):
                              "is False); run it where a GPU is")
         return
     if args.command == "data":
-        if not args.corpus.is_file():
+        if not args.corpus.exists():
             raise InputError(f"--corpus={args.corpus}: no such file (expected a .jsonl, .txt or .parquet file of "
-                             f"texts, as data.py prepare reads)")
+                             f"texts, or a folder of them, as data.py prepare reads)")
+        args.workers = args.workers or worker_counts(usable_cores())
         if not args.tokenizer.is_file():  # the peer reads a file: no hub id, no 'bytes'
             raise InputError(f"--tokenizer={args.tokenizer}: no such file (expected a tokenizer.json)")
         import data

@@ -6,10 +6,12 @@ Data for continued pretraining of ModernBERT, top to bottom: text in, token file
         --out data/mix --mix a=0.7,b=0.3
     python data.py tokenizer --input a.jsonl --vocab_size 8192 --out tok8k.json  # a small BPE
 
-1. Reading text: documents from .jsonl, .txt and .parquet files; the demo's docstrings.
+1. Reading text: the demo's docstrings. Files (.jsonl, .txt, .parquet; .gz, .zst), folders of
+   them and globs: machinery/prepare.py.
 2. Prepare: each document becomes [CLS] tokens [SEP]; documents are split into train and
    validation, shuffled, mixed by weight and written as train.bin and val.bin (one uint16 or
-   uint32 per token), with meta.json beside them.
+   uint32 per token), with meta.json beside them. Worker processes share the work
+   (machinery/prepare.py); the files are the same for any number of them.
 3. Packing: a .bin is its documents end to end, and a sequence is any window of seq_len tokens,
    across documents (document_ids tells them apart where attention should).
 4. The Loader: windows in a seeded order, a micro-batch per call, a position for exact resume.
@@ -19,10 +21,7 @@ The tokenizers (a tokenizer.json run by tiktoken, the BPE trainer): machinery/to
 import argparse
 import ast
 import json
-import math
 import os
-import re
-import secrets
 import sys
 import sysconfig
 import tempfile
@@ -33,83 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from machinery.cli import InputError, Parser, read_json, run, sha256_file, usable_cores
-from machinery.rundir import hold_lock, release_lock
+from machinery.cli import InputError, Parser, read_json, run, usable_cores
+from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, make_writable_dir,
+                               publish, read_documents, tokenize, workspace, write_documents,
+                               write_file)
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
 
 # ----------------------------------------------------------------------------
 # 1. Reading text
-
-
-def read_documents(path, field="text"):
-    """Yield (document, bytes of input consumed): .jsonl (one object a line), .txt (documents
-    separated by a blank line), .parquet (a string column)."""
-    path = Path(path)
-    if path.suffix == ".parquet":
-        yield from read_parquet(path, field)
-        return
-    if path.suffix not in (".jsonl", ".txt"):
-        raise InputError(f"{path}: unsupported input format; expected .jsonl, .txt or .parquet")
-    block, size = [], 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            line = decode_line(raw, path, number)
-            if path.suffix == ".jsonl":
-                if line.strip():
-                    yield json_text(line, path, number, field), len(raw)
-            elif line.strip():
-                block.append(line)
-                size += len(raw)
-            elif block:
-                yield "".join(block).rstrip("\r\n"), size + len(raw)
-                block, size = [], 0
-    if block:
-        yield "".join(block).rstrip("\r\n"), size
-
-
-def decode_line(raw, path, number):
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start} of the "
-                         f"line)") from None
-    return line.removeprefix("\ufeff") if number == 1 else line  # a byte order mark is no text
-
-
-def json_text(line, path, number, field):
-    """The string `field` of a JSONL line. JSON can spell a lone surrogate ("\\ud800"), which no
-    UTF-8 text holds: refused here, with its line, not deep inside the tokenizer."""
-    try:
-        text = json.loads(line)[field]
-    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: [[[[[[...
-        raise InputError(f"{path}:{number}: expected a JSON object with a string field "
-                         f"{field!r}") from None
-    if not isinstance(text, str):
-        raise InputError(f"{path}:{number}: field {field!r} is {type(text).__name__}, expected a "
-                         f"string")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{path}:{number}: field {field!r} holds a lone surrogate "
-                         f"({text[e.start]!r} at character {e.start}), which is not text") from None
-    return text
-
-
-def read_parquet(path, field):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise InputError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
-    rows = pq.ParquetFile(path)
-    names = rows.schema_arrow.names
-    if field not in names:
-        raise InputError(f"{path}: no column {field!r} (columns: {', '.join(names)})")
-    for batch in rows.iter_batches(columns=[field]):
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):
-                raise InputError(f"{path}: column {field!r} holds {type(text).__name__}, expected "
-                                 f"strings")
-            yield text, len(text.encode())
 
 
 def stdlib_docstrings(max_bytes=1_000_000):
@@ -165,38 +95,33 @@ def write_docstrings(path, max_bytes=1_000_000):
 def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005,
             seed=1337, workers=None):
     """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict.
-    The files are written in a folder of this process's own and moved into place at the end, under
-    out_dir/.lock: a failure (a full disk) leaves nothing half-written, and a second prepare into
-    the same folder while this one runs is refused."""
-    t0 = time.time()
-    paths, out = [Path(p) for p in inputs], Path(out_dir)
-    names = [p.stem for p in paths]
-    check_prepare_args(paths, names, out, mix, val_fraction, seed, workers)
+    Inputs are files, folders (one source of their files) or globs (machinery/prepare.py). The work
+    is shared by `workers` processes (default: one per usable core); the files are the same bytes
+    for any number of them. They are written in a folder of this process's own and moved into
+    place at the end, under out_dir/.lock: a failure leaves nothing half-written, and a second
+    prepare into the same folder while this one runs is refused."""
+    t0, out = time.time(), Path(out_dir)
+    sources = find_sources(inputs)
+    names, workers = [s.name for s in sources], usable_cores() if workers is None else workers
+    check_prepare_args(names, out, mix, val_fraction, seed, workers)
     tokenizer = tokenizer_spec
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer_spec)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    lock = hold_lock(out / ".lock", f"--out={out}: another data.py prepare is writing there (it "
-                                    f"holds {out / '.lock'}); wait for it or choose another --out")
-    tmp = out / f".prepare-{os.getpid()}-{secrets.token_hex(4)}"
-    bar = progress(sum(p.stat().st_size for p in paths), f"tokenizing into {out}")
-    try:
-        for stale in out.iterdir():  # left by a prepare that was killed: the lock says none runs
-            if TEMP_FOLDER.fullmatch(stale.name):
-                remove_temp_folder(stale)
-        tmp.mkdir()
-        sources = [tokenize_source(p, field, tokenizer, dtype, tmp / f"{n}.tokens", workers, bar)
-                   for p, n in zip(paths, names)]
-        lengths = [lens for lens, _ in sources]
+    with workspace(out) as tmp, Workers(workers, tokenizer) as pool:
+        # every document as [CLS] ids [SEP], source after source, in input order
+        tokens = tmp / "all.tokens"
+        lengths, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,
+                                                f"tokenizing into {out}")
         train, val = choose_documents(lengths, names, mix, val_fraction, seed)
         if not sum(map(len, val)):
-            counts = ", ".join(f"{p} has {len(lens)}" for p, lens in zip(paths, lengths))
+            counts = ", ".join(f"{s.path} has {len(lens)}" for s, lens in zip(sources, lengths))
             raise InputError(f"--input: the validation split is empty ({counts} document(s)); "
                              f"val needs at least one document and train keeps one per input, so "
                              f"give an input 2 or more documents (.txt: separated by a blank line)")
-        tokens = [np.memmap(tmp / f"{n}.tokens", dtype=dtype, mode="r") for n in names]
-        splits = {split: write_split(tmp / f"{split}.bin", tokens, lengths, chosen, names,
-                                     np.random.default_rng([seed, len(paths), split == "val"]))
+        splits = {split: write_split(tmp / f"{split}.bin", tokens, dtype, lengths, chosen, names,
+                                     np.random.default_rng([seed, len(sources), split == "val"]),
+                                     pool)
                   for split, chosen in (("train", train), ("val", val))}
         # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
         spec = Path(tokenizer.spec)
@@ -206,53 +131,15 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                     sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
                     special_ids=tokenizer.special_ids, field=field, seed=seed,
                     val_fraction=val_fraction, mix=mix, splits=splits,
-                    sources=[dict(name=n, path=str(p), sha256=sha256_file(p), documents=len(lens))
-                             for n, p, lens in zip(names, paths, lengths)])
+                    sources=[describe(s, d, len(lens))
+                             for s, d, lens in zip(sources, digests, lengths)])
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        # meta.json goes first and comes back last: a directory with a meta.json always holds
-        # the .bin files it describes
-        (out / "meta.json").unlink(missing_ok=True)
-        for name in ("train.bin", "val.bin", "meta.json"):
-            os.replace(tmp / name, out / name)
-    except OSError as e:
-        raise InputError(f"{e.filename or out}: {e.strerror or e}; nothing half-written is left "
-                         f"in {out}") from None
-    finally:
-        bar.close()
-        remove_temp_folder(tmp)
-        release_lock(lock)
-    mb, seconds = sum(b for _, b in sources) / 1e6, time.time() - t0
-    print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s); "
-          + ", ".join(f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents"
-                      for k, v in splits.items()))
+        publish(tmp, out, ("train.bin", "val.bin", "meta.json"))
+    mb, seconds = text_bytes / 1e6, time.time() - t0
+    print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s, {workers} "
+          f"worker{'s' * (workers > 1)}); " + ", ".join(
+              f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents" for k, v in splits.items()))
     return meta
-
-
-def tokenize_source(path, field, tokenizer, dtype, dst, workers, bar):
-    """Tokenize one source into dst, [CLS] text [SEP] per document; returns (document lengths,
-    bytes of text)."""
-    lengths, text_bytes, batch, size = [], 0, [], 0
-
-    def flush():
-        flat = []
-        for ids in tokenizer.encode_batch(batch, num_threads=workers):
-            flat += [tokenizer.cls_id, *ids, tokenizer.sep_id]
-            lengths.append(len(ids) + 2)
-        f.write(np.asarray(flat, dtype=dtype).data)  # a full disk: OSError(ENOSPC), named
-        bar.update(size)
-    with open(dst, "wb") as f:
-        for text, nbytes in read_documents(path, field):
-            size += nbytes
-            if text.strip():  # an empty document would only add [CLS][SEP]
-                batch.append(text)
-                text_bytes += len(text.encode())
-            if size >= 4 << 20:  # a few MB per batch keeps memory flat and the threads busy
-                flush()
-                batch, size = [], 0
-        flush()
-    if not lengths:
-        raise InputError(f"{path}: no documents (the file is empty or every {field!r} is empty)")
-    return np.array(lengths, dtype=np.int64), text_bytes
 
 
 def choose_documents(lengths, names, mix, val_fraction, seed):
@@ -290,16 +177,17 @@ def resample(docs, lengths, target, rng):
     return np.concatenate([np.tile(docs, int(repeats)), extra])
 
 
-def write_split(dst, tokens, lengths, chosen, names, rng):
+def write_split(dst, tokens, dtype, lengths, chosen, names, rng, workers):
     """Write the chosen documents of all sources to dst in one shuffled order (sources interleave;
-    in val too, so that its first windows are a fair sample); returns the split's counts."""
+    in val too, so that its first windows are a fair sample); returns the split's counts. The
+    order is the seed's alone; the workers copy documents from `tokens` in blocks."""
     source = np.concatenate([np.full(len(d), i) for i, d in enumerate(chosen)])
     doc = np.concatenate(chosen)
-    starts = [np.concatenate([[0], np.cumsum(lens)]) for lens in lengths]
     order = rng.permutation(len(doc))
-    with open(dst, "wb") as f:
-        for s, d in zip(source[order], doc[order]):
-            f.write(tokens[s][starts[s][d]:starts[s][d + 1]].data)
+    every = np.concatenate(lengths)  # documents of all sources, as `tokens` holds them
+    first = np.cumsum([0] + [len(lens) for lens in lengths])[:-1]  # each source's first there
+    at = first[source[order]] + doc[order]
+    write_documents(dst, tokens, dtype, np.cumsum(every)[at] - every[at], every[at], workers)
     per = {n: {"tokens": int(lens[d].sum()), "documents": len(d)}
            for n, lens, d in zip(names, lengths, chosen)}
     return {"tokens": sum(v["tokens"] for v in per.values()), "documents": len(doc),
@@ -655,90 +543,6 @@ def check_tokenizer(meta, tokenizer):
                          f"with this tokenizer")
 
 
-def check_inputs(paths):
-    if not paths:
-        raise InputError("--input: expected one or more text files")
-    for p in paths:
-        if p.is_dir():
-            raise InputError(f"{p}: a folder; expected a text file")
-        if not p.is_file():
-            raise InputError(f"{p}: input file not found")
-
-
-def check_prepare_args(paths, names, out, mix, val_fraction, seed, workers):
-    """Every argument of `prepare` checked before any tokenizing; creates out."""
-    check_inputs(paths)
-    weights = list((mix or {}).values())
-    for ok, message in [
-            (len(set(names)) == len(names),
-             f"--input needs distinct file names (a source is named by its stem), got {names}"),
-            (mix is None or set(mix) == set(names),
-             f"--mix names {sorted(mix or [])} must be exactly the sources {sorted(names)}"),
-            (all(math.isfinite(w) and w >= 0 for w in weights) and (not mix or sum(weights) > 0),
-             f"--mix weights must be finite, >= 0 and not all 0, got {weights}"),
-            (math.isfinite(val_fraction) and 0 < val_fraction < 1,
-             f"--val_fraction={val_fraction}: expected a number in (0, 1); the validation split "
-             f"cannot be empty"),
-            (is_int(seed) and seed >= 0, f"--seed={seed}: expected an integer >= 0"),
-            (workers is None or (is_int(workers) and workers >= 1),
-             f"--workers={workers}: expected an integer >= 1"),
-            (not out.exists() or out.is_dir(), f"--out={out}: is a file, expected a directory")]:
-        if not ok:
-            raise InputError(message)
-    make_writable_dir(out, out)
-
-
-def make_writable_dir(folder, out):
-    """Create folder; a probe file proves it writable (permission bits do not stop root, a
-    read-only mount does)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise InputError(f"--out={out}: cannot write there ({e.strerror or e})") from None
-
-
-def write_file(path, text):
-    """Write text through a temporary file renamed into place: a reader, or a full disk, never
-    leaves half a file; the name is this process's own, so two writers never share it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"{path}: cannot write ({e.strerror or e}); nothing was written") from None
-
-
-TEMP_FOLDER = re.compile(r"\.prepare-\d+-[0-9a-f]{8}")  # where one prepare writes: pid and random
-
-
-def remove_temp_folder(folder):
-    """A prepare's own folder: the files it writes there, then the folder if nothing else is
-    there."""
-    if folder.is_dir() and not folder.is_symlink():
-        for path in folder.iterdir():
-            if path.suffix in (".tokens", ".bin") or path.name == "meta.json":
-                path.unlink(missing_ok=True)
-        if not any(folder.iterdir()):
-            folder.rmdir()
-
-
-def progress(total, desc):
-    """tqdm when installed (it is optional); otherwise a printed line per update."""
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-    except ImportError:
-        class Plain:  # one line per batch of a few MB
-            def update(self, n):
-                print(f"{desc}: {n / 1e6:.1f} MB more of {total / 1e6:.1f} MB", flush=True)
-
-            def close(self):
-                pass
-        return Plain()
-
-
 # ----------------------------------------------------------------------------
 # Command line
 
@@ -746,15 +550,15 @@ def progress(total, desc):
 def train_tokenizer(inputs, vocab_size, out, field="text"):
     """Learn a byte-level BPE of vocab_size ids from the documents of inputs and write it to out,
     a tokenizer.json that Hugging Face's AutoTokenizer loads too."""
-    t0, paths, out = time.time(), [Path(p) for p in inputs], Path(out)
-    check_inputs(paths)
+    t0, out = time.time(), Path(out)
+    files = [f for source in find_sources(inputs) for f in source.files]
     if not is_int(vocab_size) or not MIN_LEARNED <= vocab_size <= MAX_VOCAB:
         raise InputError(f"--vocab_size={vocab_size}: expected an integer in [{MIN_LEARNED}, "
                          f"{MAX_VOCAB}] (256 bytes, 4 special tokens and at least one merge)")
     if out.suffix != ".json" or out.is_dir():
         raise InputError(f"--out={out}: expected the path of a .json file to write")
     make_writable_dir(out.parent, out)
-    texts = (text for p in paths for text, _ in read_documents(p, field))
+    texts = (text for f in files for text in read_documents(f, field))
     tokenizer, counts = learn_bpe(texts, vocab_size, out)
     write_file(out, tokenizer.hf_files["tokenizer.json"])
     print(f"{out}: {tokenizer.vocab_size:,} ids learned from {sum(counts.values()):,} words "
@@ -781,7 +585,9 @@ def parse_mix(text):
 def make_parser():
     parser = Parser(prog="data.py", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    inputs = ".jsonl (one object a line), .txt (blank-line separated) or .parquet files"
+    inputs = (".jsonl (one object a line), .txt (blank-line separated) or .parquet files, .jsonl "
+              "and .txt also as .gz or .zst; a folder is one source of the files in it; a quoted "
+              "glob is the files it matches")
     field = "the text field of .jsonl objects and the text column of .parquet files"
     def command(name, what):
         return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
@@ -791,13 +597,15 @@ def make_parser():
     p.add_argument("--out", required=True, help="the directory to write")
     p.add_argument("--field", default="text", help=field)
     p.add_argument("--mix", type=parse_mix, help="target shares of the train tokens per source (a "
-                   "file's stem), e.g. en=0.6,fr=0.4; reached by repeating or dropping documents")
+                   "file's name without extensions, a folder's name), e.g. en=0.6,fr=0.4; reached "
+                   "by repeating or dropping documents")
     p.add_argument("--val_fraction", type=float, default=0.005,
                    help="share of each source's documents held out for validation (at least one)")
     p.add_argument("--seed", type=int, default=1337,
                    help="seeds the validation draw, the document order and the mixing")
     p.add_argument("--workers", type=int, default=usable_cores(),
-                   help="tokenizer threads; by default one per core this process may use")
+                   help="processes that read, tokenize and write; by default one per core this "
+                        "process may use. The output is the same for any number")
     t = command("tokenizer", "learn a small byte-level BPE tokenizer.json from text files")
     t.add_argument("--input", nargs="+", required=True, help=inputs)
     t.add_argument("--vocab_size", type=int, required=True,

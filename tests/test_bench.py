@@ -184,11 +184,16 @@ def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name,
     before any timing, or the three measurements (in a process of their own: the loader's bench pins its core)."""
     (tmp_path / name).write_bytes(content.encode("utf-8", "surrogateescape"))
     argv = ["data", f"--corpus={tmp_path / name}", f"--tokenizer={byte_tokenizer(tmp_path)}", "--repeats=1",
-            "--threads=1"]
+            "--threads=1", "--workers=1,2"]
     if expected is None:
         result = subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True)
         assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
-        assert "identical ids 150/150" in result.stdout and "Loader" in result.stdout, result.stdout
+        out = result.stdout
+        assert "identical ids 150/150" in out and "30,450 tokens" in out, out
+        rows = {line.split("|")[0].strip(): line for line in out.splitlines() if line.count("|") >= 3}
+        assert {"1", "2", "mlm 30%", "clm"} <= rows.keys() and rows["1"].split("|")[2].strip() == "1.00x", out
+        assert re.search(r"Amdahl fit T\(n\) = -?[\d.]+ s \+ -?[\d.]+ s / n: serial share", out), out
+        assert out.count("PROJECTION (the fit extrapolated, not measured)") == 2, out
         return
     threads = torch.get_num_threads()
     with pytest.raises(SystemExit) as exit:
@@ -198,7 +203,7 @@ def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name,
     error = err.splitlines()[-1]  # a progress bar of prepare may come before it
     assert exit.value.code == 2 and "Traceback" not in err and err.count("error") == 1, err
     assert error.startswith("error: ") and all(w in error for w in expected), error
-    assert "encode_batch" not in out  # nothing timed
+    assert "prepare end to end" not in out  # nothing timed
 
 
 def table_rows(markdown, first_cell):

@@ -1,4 +1,6 @@
 """data.py: tokenizer parity with Hugging Face `tokenizers`, prepare, the loader's order, masks, resume, bad inputs."""
+import gzip
+import hashlib
 import json
 import os
 import random
@@ -15,8 +17,9 @@ import torch
 
 import data
 from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
+from machinery import prepare as prep
 from machinery import tokenizer as tok
-from machinery.cli import InputError, run
+from machinery.cli import InputError, run, sha256_file
 from machinery.rundir import hold_lock, release_lock
 
 CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]
@@ -231,7 +234,7 @@ def recount_merges(texts, n_merges):
 
 def test_learned_merges_equal_the_recount(tmp_path):
     texts = [words(random.Random(8), 200) for _ in range(5)]
-    counts = tok.word_counts(text for text, _ in data.read_documents(write_jsonl(tmp_path / "c.jsonl", texts)))
+    counts = tok.word_counts(data.read_documents(write_jsonl(tmp_path / "c.jsonl", texts)))
     assert tok.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
 
 
@@ -336,6 +339,179 @@ def test_prepare_mix(tmp_path):
         data.prepare([big, small], "bytes", tmp_path / "bad", mix={"big": 1.0, "other": 1.0})
 
 
+# ----------------------------------------------------------------------------
+# Prepare on worker processes: the same bytes for any number of them, and as before they existed
+
+def golden_corpus(folder):
+    """Three sources with what a reader must get right: a byte order mark, CRLF, blank and empty documents, runs of
+    blank lines (some of Unicode spaces), no newline at the end."""
+    rng = random.Random(11)
+    lines = []
+    for i in range(150):
+        text = words(rng, rng.randint(3, 80)) if i % 17 else rng.choice(["", "  "])
+        lines.append(json.dumps({"text": text, "id": i}) + rng.choice(["\n", "\r\n", "\n\n"]))
+    (folder / "web.jsonl").write_text("\ufeff" + "".join(lines), encoding="utf-8", newline="")
+    blocks = []
+    for i in range(60):
+        doc = "\n".join(words(rng, rng.randint(1, 12)).replace("\n", " ") for _ in range(rng.randint(1, 4)))
+        blocks.append(doc + rng.choice(["\n\n", "\n\n\n", "\n \t\n", "\n\u3000\n\n", "\r\n\r\n"]))
+    (folder / "notes.txt").write_text("".join(blocks).rstrip("\n"), encoding="utf-8", newline="")
+    code = [f"def f{i}():\n    return {i} # 😀 中文" * rng.randint(1, 5) for i in range(25)]
+    (folder / "code.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code), encoding="utf-8")
+    return [folder / n for n in ("web.jsonl", "notes.txt", "code.jsonl")]
+
+
+GOLDEN_CASES = {"plain": dict(val_fraction=0.1, seed=7),
+                "mix": dict(mix={"web": 0.5, "notes": 0.3, "code": 0.2}, seed=3, val_fraction=0.05)}
+# The first 16 hex digits of the sha256 of train.bin, val.bin and meta.json (its paths cut to file names) that
+# the single-process prepare wrote for golden_corpus before prepare had worker processes (commit 16c0676).
+GOLDEN = {
+    ("bytes", "plain"): ("de5655087bdb36dc", "c203e684c9c2a83f", "494668b31d60a13e"),
+    ("bytes", "mix"): ("9722335f8410336e", "f4257f4faf30cda7", "d484b31391becd64"),
+    ("modernbert", "plain"): ("80021bf8d1c9bb12", "cfecac273b9d447b", "83f674c1a614a1c2"),
+    ("modernbert", "mix"): ("1e85d3b82e44fc07", "123c7c719ebd5949", "9394afd59bc2e36a"),
+}
+
+
+def digests(out):
+    """The GOLDEN digests of a prepared folder."""
+    meta = json.loads((out / "meta.json").read_text())
+    meta["tokenizer"] = Path(meta["tokenizer"]).name
+    for s in meta["sources"]:
+        s["path"] = Path(s["path"]).name
+    texts = [(out / "train.bin").read_bytes(), (out / "val.bin").read_bytes(), (json.dumps(meta, indent=2) + "\n").encode()]
+    return tuple(hashlib.sha256(t).hexdigest()[:16] for t in texts)
+
+
+@pytest.mark.parametrize("workers, piece_bytes", [(1, None), (2, None), (3, None), (1, 1), (3, 1)],
+                         ids=["1 worker", "2 workers", "3 workers", "1 worker, a piece a line", "3 workers, a piece a line"])
+def test_prepare_writes_the_golden_bytes_with_any_number_of_workers(tmp_path, monkeypatch, workers, piece_bytes):
+    """Pieces of every size (down to one line, or one .txt document, each), blocks of a few documents and batches of
+    one: the bytes of the single-process prepare."""
+    inputs = golden_corpus(tmp_path)
+    monkeypatch.setattr(prep, "BLOCK_TOKENS", 1000)
+    monkeypatch.setattr(prep, "BATCH_BYTES", 300)
+    if piece_bytes:
+        monkeypatch.setattr(prep, "PIECE_BYTES", piece_bytes)
+        assert sum(len(prep.plan(f, piece_bytes, "text")) for f in inputs) == 283  # lines and .txt documents
+    tokenizers = {"bytes": "bytes", "modernbert": data.load_tokenizer(MODERNBERT_TOKENIZER)
+                  if MODERNBERT_TOKENIZER.exists() else None}
+    for (name, case), golden in GOLDEN.items():
+        if tokenizers[name] is None:
+            continue  # the real tokenizer lives in ../shared; the byte tokenizer's cases still ran
+        out = tmp_path / f"{name}-{case}"
+        data.prepare(inputs, tokenizers[name], out, workers=workers, **GOLDEN_CASES[case])
+        assert digests(out) == golden, (name, case)
+
+
+def compress(path, suffix):
+    """path.gz or path.zst beside path, the same bytes compressed."""
+    raw, out = path.read_bytes(), path.with_name(path.name + suffix)
+    if suffix == ".gz":
+        out.write_bytes(gzip.compress(raw))
+    else:
+        out.write_bytes(pytest.importorskip("zstandard").ZstdCompressor().compress(raw))
+    return out
+
+
+def without(meta, *keys):
+    """meta with the keys of its sources removed (where the same documents were read from)."""
+    return meta | {"sources": [{k: v for k, v in s.items() if k not in keys} for s in meta["sources"]]}
+
+
+def test_compressed_files_folders_and_globs_read_as_the_plain_files(tmp_path, capsys):
+    """.gz and .zst are their plain files; a folder of shards is one source, named by the folder, of its files in
+    name order; a glob is the files it matches, each a source."""
+    plain = golden_corpus(tmp_path)
+    web, notes, code = plain
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for path, suffix in ((web, ".gz"), (notes, ".zst")):
+        compress(path, suffix).rename(packed / (path.name + suffix))
+    shutil.copy(code, packed / "code.jsonl")
+    args = dict(val_fraction=0.1, seed=7, workers=2)
+    base = data.prepare(plain, "bytes", tmp_path / "plain", **args)
+    mixed = data.prepare([packed / "web.jsonl.gz", packed / "notes.txt.zst", packed / "code.jsonl"], "bytes",
+                         tmp_path / "packed-out", **args)
+    assert without(mixed, "path", "sha256") == without(base, "path", "sha256")
+    assert [s["sha256"] for s in mixed["sources"]] == [sha256_file(packed / n) for n in
+                                                       ("web.jsonl.gz", "notes.txt.zst", "code.jsonl")]
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "packed-out" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+    # the web source as a folder of shards: the same documents in the same order, so the same token files
+    shards = tmp_path / "web"
+    shards.mkdir()
+    lines = web.read_bytes().splitlines(keepends=True)
+    for i, (name, suffix) in enumerate((("part-0.jsonl", ".gz"), ("part-1.jsonl", ".zst"), ("part-2.jsonl", ""))):
+        (shards / name).write_bytes(b"".join(lines[i * 70:(i + 1) * 70]))
+        if suffix:
+            compress(shards / name, suffix)
+            (shards / name).unlink()
+    (shards / "README.md").write_text("not read")
+    folder = data.prepare([shards, notes, code], "bytes", tmp_path / "folder", **args)
+    assert f"{shards}: source web reads its 3 files of text, not README.md\n" in capsys.readouterr().out
+    assert without(folder, "path", "sha256", "files") == without(base, "path", "sha256")
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "folder" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    files = ["part-0.jsonl.gz", "part-1.jsonl.zst", "part-2.jsonl"]
+    record = folder["sources"][0]
+    assert record["files"] == [{"name": n, "sha256": sha256_file(shards / n)} for n in files]
+    assert record["sha256"] == hashlib.sha256("".join(f"{sha256_file(shards / n)}  {n}\n"
+                                                      for n in files).encode()).hexdigest()
+
+    globbed = data.prepare([str(packed / "*")], "bytes", tmp_path / "glob", **args)
+    listed = data.prepare(sorted(packed.iterdir()), "bytes", tmp_path / "listed", **args)
+    assert [s["name"] for s in globbed["sources"]] == ["code", "notes", "web"] and globbed == listed
+
+
+def test_a_bad_line_is_named_by_its_line_in_the_file_whatever_piece_holds_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "PIECE_BYTES", 200)
+    good = [json.dumps({"text": f"document {i}"}) + "\n" for i in range(300)]
+    (tmp_path / "bad.jsonl").write_text("".join(good[:256]) + '{"text": 5}\n' + "".join(good[256:]))
+    (tmp_path / "bad.txt").write_bytes(b"".join(b"doc %d\nline\n\n" % i for i in range(100)) + b"caf\xe9\n")
+    for name, expected in (("bad.jsonl", "bad.jsonl:257: field 'text' is int"), ("bad.txt", "bad.txt:301: invalid")):
+        assert len(prep.plan(tmp_path / name, 200, "text")) > 5
+        for workers in (1, 3):
+            with pytest.raises(InputError, match=re.escape(expected)):
+                data.prepare([tmp_path / name], "bytes", tmp_path / "out", workers=workers)
+
+
+def test_memory_is_bounded_by_the_piece_batch_and_block_sizes(tmp_path, monkeypatch):
+    """Memory flat in the corpus's size: a worker holds one batch of text (and its ids) or one block of a split,
+    each at most its bound plus one document, however large the corpus; the parent, 8 bytes per document."""
+    monkeypatch.setattr(prep, "PIECE_BYTES", 4000)
+    monkeypatch.setattr(prep, "BATCH_BYTES", 2000)
+    monkeypatch.setattr(prep, "BLOCK_TOKENS", 3000)
+    rng = random.Random(12)
+    texts = [words(rng, rng.randint(1, 60)) for _ in range(800)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    batches, blocks = [], []
+    frame, write_block = prep.frame, prep.write_block
+    monkeypatch.setattr(prep, "frame", lambda t, texts, d: batches.append(texts) or frame(t, texts, d))
+    monkeypatch.setattr(prep, "write_block", lambda *a: blocks.append(a[3]) or write_block(*a))
+    meta = data.prepare([corpus], "bytes", tmp_path / "out", workers=1)
+    longest = max(len(t.encode()) for t in texts)
+    assert corpus.stat().st_size > 50 * 2000 and len(batches) > 30 and len(blocks) > 30
+    assert max(sum(len(t.encode()) for t in b) for b in batches) < 2000 + longest
+    assert max(lens.sum() for lens in blocks) <= 3000 + longest + 2
+    assert sum(lens.sum() for lens in blocks) == sum(s["tokens"] for s in meta["splits"].values())
+    pieces, line = prep.plan(corpus, 4000, "text"), max(map(len, corpus.read_bytes().splitlines(keepends=True)))
+    assert max(p.stop - p.start for p in pieces) < 4000 + line and pieces[-1].stop == corpus.stat().st_size
+
+
+def die(*args):
+    os._exit(3)  # a worker killed, as the system kills a process for memory
+
+
+def test_a_worker_that_dies_is_one_error_not_a_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "tokenize_piece", die)  # a forked worker runs it
+    corpus = write_jsonl(tmp_path / "c.jsonl", [f"text {i}" for i in range(50)])
+    with pytest.raises(InputError, match="a worker process of data.py prepare died .*lower --workers"):
+        data.prepare([corpus], "bytes", tmp_path / "out", workers=2)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
 def test_parquet_input(tmp_path):
     path = tmp_path / "rows.parquet"
     try:
@@ -354,6 +530,22 @@ def test_parquet_input(tmp_path):
         data.prepare([path], "bytes", tmp_path / "out", field="n")
     with pytest.raises(InputError, match="rows.parquet: no column 'body'"):
         data.prepare([path], "bytes", tmp_path / "out", field="body")
+
+
+def test_parquet_row_groups_are_pieces(tmp_path, monkeypatch):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rng = random.Random(13)
+    texts = [words(rng, rng.randint(1, 40)) if i % 9 else "" for i in range(300)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet", row_group_size=20)
+    write_jsonl(tmp_path / "rows.jsonl", texts)
+    monkeypatch.setattr(prep, "PIECE_BYTES", 1000)
+    assert len(prep.plan(tmp_path / "rows.parquet", 1000, "text")) > 10
+    metas = [data.prepare([tmp_path / name], "bytes", tmp_path / f"{name}-{w}", workers=w, seed=2)
+             for name in ("rows.jsonl", "rows.parquet") for w in (1, 3)]
+    assert all(without(m, "path", "sha256") == without(metas[0], "path", "sha256") for m in metas)
+    for name in ("train.bin", "val.bin"):
+        assert len({(tmp_path / f"{f}-{w}" / name).read_bytes() for f in ("rows.jsonl", "rows.parquet")
+                    for w in (1, 3)}) == 1
 
 
 def folder(path):
@@ -418,8 +610,8 @@ def test_a_killed_prepare_leaves_no_folder_that_looks_prepared_and_is_cleaned_up
         (out / name).mkdir()
         for f in files:
             (out / name / f).write_text("partial")
-    seen, tokenize = [], data.tokenize_source
-    monkeypatch.setattr(data, "tokenize_source", lambda *a: seen.append(a[4]) or tokenize(*a))
+    seen, tokenize = [], data.tokenize
+    monkeypatch.setattr(data, "tokenize", lambda *a: seen.append(a[3]) or tokenize(*a))
     data.prepare([write_jsonl(tmp_path / "c.jsonl", ["one text", "another text"])], "bytes", out, workers=1)
     assert re.fullmatch(rf"\.prepare-{os.getpid()}-[0-9a-f]{{8}}", seen[0].parent.name)  # this process's own name
     assert folder(out).keys() == {"meta.json", "train.bin", "val.bin", ".prepare-4243-89abcdef"}
@@ -661,7 +853,7 @@ def test_bad_corpus(tmp_path, name, content, expected):
     with pytest.raises(InputError) as e:
         data.prepare([tmp_path / name], "bytes", tmp_path / "out")
     assert all(w in str(e.value) for w in expected), str(e.value)
-    assert not any((tmp_path / "out").iterdir())  # nothing half-written
+    assert not any((tmp_path / "out").glob("*"))  # nothing half-written (a format refused before out is made)
 
 
 def test_missing_files(tmp_path):

@@ -1,9 +1,11 @@
 """data.py bad inputs, table-driven: each ends in exit code 2 and ONE line `error: ...` naming the flag or file,
 before any tokenizing; meta.json and tokenizer.json are checked for structure and id range before any allocation;
 a loader state read from a checkpoint is checked field by field; a real full disk leaves nothing behind."""
+import gzip
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -107,7 +109,22 @@ CASES = [
     ("seed negative", lambda t: ["--seed", "-1"], ["--seed=-1"]),
     ("unknown flag", lambda t: ["--vocab", "5"], ["unrecognized arguments", "--vocab"]),
     # inputs, flags and tokenizer files
-    ("input is a folder", lambda t: ["--input", t], ["a folder; expected a text file"]),
+    ("input a folder without text files", lambda t: ["--input", folder_of(t, "README.md")],
+     ["empty", "a folder with no file to read", ".jsonl, .txt or .parquet"]),
+    ("input a folder of empty files", lambda t: ["--input", folder_of(t, "a.jsonl", "b.txt")],
+     ["empty: no documents (its files are empty"]),
+    ("input a glob matching nothing", lambda t: ["--input", f"{t}/*.jsonl.gz"], ["*.jsonl.gz: no file matches"]),
+    ("input a folder holding a bad file", lambda t: ["--input", folder_of(t, "a.jsonl", "b.jsonl", "c.jsonl")],
+     ["b.jsonl:1", "JSON object"]),
+    ("gzip cut in half", lambda t: ["--input", raw(t, "c.jsonl.gz", gzipped(t)[:len(gzipped(t)) // 2])],
+     ["c.jsonl.gz: not a readable .gz file: corrupt or cut short"]),
+    ("gzip of garbage", lambda t: ["--input", raw(t, "c.jsonl.gz", b"garbage " * 100)],
+     ["c.jsonl.gz: not a readable .gz file", "Not a gzipped file"]),
+    ("zst of garbage", lambda t: ["--input", raw(t, "c.txt.zst", b"garbage " * 100)],
+     ["c.txt.zst: not a readable .zst file: corrupt or cut short"]),
+    ("zst cut short", lambda t: ["--input", raw(t, "c.jsonl.zst", zstd(t)[:-5])],
+     ["c.jsonl.zst: not a readable .zst file: corrupt or cut short", "ends inside a frame"]),
+    ("compressed parquet", lambda t: ["--input", raw(t, "c.parquet.gz", b"")], ["c.parquet.gz", "unsupported"]),
     ("two inputs, one stem", lambda t: ["--input", t / "corpus.jsonl", raw(t, "corpus.txt", b"a\n\nb\n")],
      ["--input", "distinct file names"]),
     ("flag given twice", lambda t: ["--seed", "1", "--seed", "2"], ["--seed", "given twice"]),
@@ -130,6 +147,22 @@ CASES = [
                                            "corpus=5e-324,long=1"], ["--mix corpus=4.94066e-324"]),
     ("mix a name twice", lambda t: ["--mix", "corpus=1,corpus=0"], ["--mix", "corpus given more than once"]),
 ]
+
+
+def folder_of(tmp, *names):
+    """tmp/empty holding the named files: each empty, but b.jsonl, which holds a line that is no JSON object."""
+    (tmp / "empty").mkdir()
+    for name in names:
+        (tmp / "empty" / name).write_text("[1]\n" if name == "b.jsonl" else "")
+    return tmp / "empty"
+
+
+def gzipped(tmp):
+    return gzip.compress((tmp / "corpus.jsonl").read_bytes())
+
+
+def zstd(tmp):
+    return pytest.importorskip("zstandard").ZstdCompressor().compress((tmp / "corpus.jsonl").read_bytes())
 
 
 def long_documents(tmp):
@@ -168,7 +201,7 @@ def test_prepare_bad_input(case, extra, expected, tmp_path, capsys):
                       extra(tmp_path))
     code, err = run_cli(argv, capsys)
     lines = err.rstrip("\n").split("\n")  # before the error there may be a progress bar, nothing else
-    assert code == 2 and lines[-1].startswith("error: ") and err.count("error") == 1, err
+    assert code == 2 and lines[-1].startswith("error: ") and "error" not in "".join(lines[:-1]), err
     assert "Traceback" not in err and all(w in lines[-1] for w in expected), err
     assert not (tmp_path / "out" / "meta.json").exists()
 
@@ -179,6 +212,13 @@ def test_prepare_good_input_passes_the_same_checks(tmp_path, capsys):
     data.main(["prepare", "--input", str(tmp_path / "corpus.jsonl"), "--out", str(tmp_path / "out"), *GOOD,
                "--workers", "1", "--val_fraction", "0.1"])
     assert data.load_meta(tmp_path / "out")["splits"]["val"]["documents"] == 2
+
+
+def test_zst_without_zstandard_is_one_line_saying_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed: importing it fails
+    path = raw(tmp_path, "c.jsonl.zst", b"")
+    code, err = run_cli(["prepare", "--input", path, "--out", tmp_path / "out", *GOOD], capsys)
+    assert code == 2 and err == f"error: {path}: reading .zst needs zstandard (pip install zstandard)\n", err
 
 
 TOKENIZER_CASES = [
