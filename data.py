@@ -6,225 +6,40 @@ Data for continued pretraining of ModernBERT, top to bottom: text in, token file
         --out data/mix --mix a=0.7,b=0.3
     python data.py tokenizer --input a.jsonl --vocab_size 8192 --out tok8k.json  # a small BPE
 
-1. Reading text: the demo's docstrings. Files (.jsonl, .txt, .parquet; .gz, .zst), folders of
-   them and globs: machinery/prepare.py.
-2. Prepare: each document becomes [CLS] tokens [SEP]; documents are split into train and
-   validation, shuffled, mixed by weight and written as train.bin and val.bin (one uint16 or
-   uint32 per token), with meta.json beside them. Worker processes share the work
-   (machinery/prepare.py); the files are the same for any number of them.
-3. Packing: a .bin is its documents end to end, and a sequence is any window of seq_len tokens,
-   across documents (document_ids tells them apart where attention should).
-4. The Loader: windows in a seeded order, a micro-batch per call, a position for exact resume.
-5. Objectives: the labels of each objective (MLM masking, CLM next token), one function each.
+1. Packing: a .bin is its documents end to end, each [CLS] tokens [SEP], and a sequence is any
+   window of seq_len tokens, across documents (document_ids tells them apart where attention should).
+2. The Loader: windows in a seeded order, a micro-batch per call, a position for exact resume.
+3. Objectives: the labels of each objective (MLM masking, CLM next token), one function each.
+4. Prepare: documents are split into train and validation, shuffled, mixed by weight and written
+   as train.bin and val.bin (one uint16 or uint32 per token), with meta.json beside them.
+5. The demo: the standard library's docstrings and a BPE learned from them.
+The machinery behind them: reading files (.jsonl, .txt, .parquet; .gz, .zst; folders, globs) in
+worker processes, the same bytes for any number of them (machinery/prepare.py); meta.json and
+the .bin files checked against each other (machinery/tokenfiles.py); the tokenizers, a
+tokenizer.json run by tiktoken and the BPE trainer (machinery/tokenizer.py).
 The tokenizers (a tokenizer.json run by tiktoken, the BPE trainer): machinery/tokenizer.py.
 """
 import argparse
-import ast
 import json
 import os
 import sys
-import sysconfig
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from machinery.cli import InputError, Parser, read_json, run, usable_cores
+from machinery.cli import InputError, Parser, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, make_writable_dir,
-                               publish, read_documents, tokenize, workspace, write_documents,
-                               write_file)
+                               publish, read_documents, tokenize, workspace, write_docstrings,
+                               write_documents, write_file)
+from machinery.tokenfiles import SPLITS, check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
 
-# ----------------------------------------------------------------------------
-# 1. Reading text
-
-
-def stdlib_docstrings(max_bytes=1_000_000):
-    """General English text with no download: the docstrings of the standard library's .py files,
-    read with ast (importing some modules has side effects). Parsing is the slow part."""
-    root, total = Path(sysconfig.get_paths()["stdlib"]), 0
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = sorted(set(subfolders) - skip)
-        for name in sorted(f for f in files if f.endswith(".py")):
-            try:
-                tree = ast.parse(Path(folder, name).read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in statements(tree):
-                doc = ast.get_docstring(node) if isinstance(node, DOCUMENTED) else None
-                if doc:
-                    yield doc
-                    total += len(doc.encode())
-                    if total >= max_bytes:
-                        return
-
-
-DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-def statements(tree):
-    """The nodes of tree that may hold statements, in ast.walk's order: an expression never holds
-    a docstring, and skipping them saves a third of the time."""
-    todo = deque([tree])
-    while todo:
-        node = todo.popleft()
-        todo.extend(c for c in ast.iter_child_nodes(node)
-                    if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case)))
-        yield node
-
-
-def write_docstrings(path, max_bytes=1_000_000):
-    """The standard library's docstrings as JSONL (the demo's text, and reproduce.py's stand-in for
-    the general text a pretrained encoder saw). Returns the path."""
-    if not is_int(max_bytes) or max_bytes < 1:
-        raise InputError(f"--max_bytes={max_bytes}: expected a positive size")
-    path = Path(path)
-    make_writable_dir(path.parent, path)
-    write_file(path, "".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings(max_bytes)))
-    return path
-
 
 # ----------------------------------------------------------------------------
-# 2. Prepare: text files -> train.bin, val.bin, meta.json
-
-
-def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005,
-            seed=1337, workers=None):
-    """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict.
-    Inputs are files, folders (one source of their files) or globs (machinery/prepare.py). The work
-    is shared by `workers` processes (default: one per usable core); the files are the same bytes
-    for any number of them. They are written in a folder of this process's own and moved into
-    place at the end, under out_dir/.lock: a failure leaves nothing half-written, and a second
-    prepare into the same folder while this one runs is refused."""
-    t0, out = time.time(), Path(out_dir)
-    sources = find_sources(inputs)
-    names, workers = [s.name for s in sources], usable_cores() if workers is None else workers
-    check_prepare_args(names, out, mix, val_fraction, seed, workers)
-    tokenizer = tokenizer_spec
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = load_tokenizer(tokenizer_spec)
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    with workspace(out) as tmp, Workers(workers, tokenizer) as pool:
-        # every document as [CLS] ids [SEP], source after source, in input order
-        tokens = tmp / "all.tokens"
-        lengths, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,
-                                                f"tokenizing into {out}")
-        train, val = choose_documents(lengths, names, mix, val_fraction, seed)
-        if not sum(map(len, val)):
-            counts = ", ".join(f"{s.path} has {len(lens)}" for s, lens in zip(sources, lengths))
-            raise InputError(f"--input: the validation split is empty ({counts} document(s)); "
-                             f"val needs at least one document and train keeps one per input, so "
-                             f"give an input 2 or more documents (.txt: separated by a blank line)")
-        splits = {split: write_split(tmp / f"{split}.bin", tokens, dtype, lengths, chosen, names,
-                                     np.random.default_rng([seed, len(sources), split == "val"]),
-                                     pool)
-                  for split, chosen in (("train", train), ("val", val))}
-        # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
-        spec = Path(tokenizer.spec)
-        meta = dict(format=1, dtype=dtype.name, vocab_size=tokenizer.vocab_size,
-                    tokenizer=str(spec.resolve()) if spec.is_file() else tokenizer.spec,
-                    tokenizer_fingerprint=tokenizer.fingerprint, cls_id=tokenizer.cls_id,
-                    sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
-                    special_ids=tokenizer.special_ids, field=field, seed=seed,
-                    val_fraction=val_fraction, mix=mix, splits=splits,
-                    sources=[describe(s, d, len(lens))
-                             for s, d, lens in zip(sources, digests, lengths)])
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        publish(tmp, out, ("train.bin", "val.bin", "meta.json"))
-    mb, seconds = text_bytes / 1e6, time.time() - t0
-    print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s, {workers} "
-          f"worker{'s' * (workers > 1)}); " + ", ".join(
-              f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents" for k, v in splits.items()))
-    return meta
-
-
-def choose_documents(lengths, names, mix, val_fraction, seed):
-    """(train, val): document indices per source. Validation is drawn first, so that mixing never
-    repeats a validation document in train."""
-    rngs = [np.random.default_rng([seed, i]) for i in range(len(lengths))]
-    train, val = [], []
-    for lens, rng in zip(lengths, rngs):
-        n = len(lens)
-        n_val = min(n - 1, max(1, round(val_fraction * n))) if val_fraction > 0 and n >= 2 else 0
-        is_val = np.zeros(n, bool)
-        is_val[rng.choice(n, n_val, replace=False)] = True
-        train.append(np.flatnonzero(~is_val))
-        val.append(np.flatnonzero(is_val))
-    if mix is not None:  # target shares of the natural train total, reached with whole documents
-        natural = sum(lens[docs].sum() for lens, docs in zip(lengths, train))
-        top = max(mix.values())  # weights over the largest first: 1e308 + 1e308 is no number
-        share = {n: w / top / sum(v / top for v in mix.values()) for n, w in mix.items()}
-        train = [resample(docs, lens, share[n] * natural, rng)
-                 for n, lens, docs, rng in zip(names, lengths, train, rngs)]
-        for n, docs in zip(names, train):
-            if share[n] and not len(docs):  # asked for, and left out: a silent 0 share
-                raise InputError(f"--mix {n}={mix[n]:g}: a share of {share[n]:.3g} of the "
-                                 f"{natural:,} train tokens is less than one document of {n}, so "
-                                 f"train would hold none of it; raise its weight, or give it 0")
-    return train, val
-
-
-def resample(docs, lengths, target, rng):
-    """Whole documents reaching `target` tokens: each document int(x) times, then a seeded few."""
-    tokens = lengths[docs].sum()
-    repeats, fraction = divmod(target / tokens, 1.0)
-    order = rng.permutation(docs)
-    extra = order[:np.searchsorted(np.cumsum(lengths[order]), fraction * tokens)]
-    return np.concatenate([np.tile(docs, int(repeats)), extra])
-
-
-def write_split(dst, tokens, dtype, lengths, chosen, names, rng, workers):
-    """Write the chosen documents of all sources to dst in one shuffled order (sources interleave;
-    in val too, so that its first windows are a fair sample); returns the split's counts. The
-    order is the seed's alone; the workers copy documents from `tokens` in blocks."""
-    source = np.concatenate([np.full(len(d), i) for i, d in enumerate(chosen)])
-    doc = np.concatenate(chosen)
-    order = rng.permutation(len(doc))
-    every = np.concatenate(lengths)  # documents of all sources, as `tokens` holds them
-    first = np.cumsum([0] + [len(lens) for lens in lengths])[:-1]  # each source's first there
-    at = first[source[order]] + doc[order]
-    write_documents(dst, tokens, dtype, np.cumsum(every)[at] - every[at], every[at], workers)
-    per = {n: {"tokens": int(lens[d].sum()), "documents": len(d)}
-           for n, lens, d in zip(names, lengths, chosen)}
-    return {"tokens": sum(v["tokens"] for v in per.values()), "documents": len(doc),
-            "per_source": per}
-
-
-# The demo's text is every docstring of the standard library (1.6 MB on CPython 3.11), and its
-# tokenizer a BPE of 2,048 ids learned from it: 71% of its words are one token (fill-mask answers
-# words), 3.1 bytes a token. 4,096 ids: 84% and 3.6, with a larger embedding to train.
-DEMO_BYTES, DEMO_VOCAB = 4_000_000, 2048
-
-
-def prepare_demo(out_dir="data/demo", vocab_size=DEMO_VOCAB):
-    """The demo corpus, with no download and no text in the repository: the standard library's
-    docstrings, tokenized by a BPE of vocab_size ids learned from them (None: by the byte
-    tokenizer). A demo made with another tokenizer is built again."""
-    out = Path(out_dir)
-    wanted = "bytes" if vocab_size is None else str((out / "tokenizer.json").resolve())
-    try:
-        meta = load_meta(out)
-        for split in SPLITS:  # a demo cut short by a kill or a full disk is built again
-            split_tokens(out, meta, split)
-    except InputError:
-        meta = None
-    if meta and meta["tokenizer"] == wanted and meta["vocab_size"] == (vocab_size or 260):
-        print(f"{out} is already prepared: {meta['splits']['train']['tokens']:,} train tokens")
-        return meta
-    if meta:
-        print(f"{out} holds a demo made with tokenizer {meta['tokenizer']}: building it again")
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = write_docstrings(Path(tmp) / "stdlib_docstrings.jsonl", DEMO_BYTES)
-        tokenizer = "bytes" if vocab_size is None else train_tokenizer([corpus], vocab_size, wanted)
-        return prepare([corpus], tokenizer, out, val_fraction=0.01)
-
-
-# ----------------------------------------------------------------------------
-# 3. Packing: a .bin is one long row of tokens; a sequence is any window of seq_len of them
+# 1. Packing: a .bin is one long row of tokens; a sequence is any window of seq_len of them
 
 
 def count_windows(data_dir, split, seq_len):
@@ -241,7 +56,7 @@ def document_ids(x, sep_id):
 
 
 # ----------------------------------------------------------------------------
-# 4. The Loader
+# 2. The Loader
 
 
 class Loader:
@@ -382,7 +197,7 @@ def val_batches(data_dir, seq_len, n_sequences, micro_batch_size, objective, mas
 
 
 # ----------------------------------------------------------------------------
-# 5. Objectives: f(x, g, vocab, rate, seed) -> (inputs, labels), (B, T) int64 arrays each.
+# 3. Objectives: f(x, g, vocab, rate, seed) -> (inputs, labels), (B, T) int64 arrays each.
 # x holds the windows of the global sequences g; a label -100 takes no loss. Each function depends
 # on g and the seed only, never on a counter or a global RNG: a batch is rebuilt exactly from its
 # position on resume, on any number of ranks. A new objective, or a masking rate that is a
@@ -431,116 +246,142 @@ class Vocab:
 
 
 # ----------------------------------------------------------------------------
-# Checks and files: each input checked before any work, each output written whole or not at all
+# 4. Prepare: text files -> train.bin, val.bin, meta.json
 
 
-SPLITS = ("train", "val")
-
-
-def load_meta(data_dir):
-    """data_dir/meta.json, checked: every field that sizes a table or indexes one is in range, and
-    each split's token count is there (split_tokens checks its file against it)."""
-    path = Path(data_dir) / "meta.json"
-    meta = read_json(path, "the meta.json of `python data.py prepare` (`python data.py`: the demo)")
-    keys = ("format", "dtype", "vocab_size", "tokenizer", "tokenizer_fingerprint", "cls_id",
-            "sep_id", "pad_id", "mask_id", "special_ids", "splits")
-    if not isinstance(meta, dict) or meta.get("format") != 1 or not all(k in meta for k in keys):
-        raise InputError(f"{path}: not a format-1 meta.json written by `data.py prepare` (needs "
-                         f"keys {', '.join(keys)})")
-    vocab, dtype, splits = meta["vocab_size"], meta["dtype"], meta["splits"]
-    ids = [meta[f"{n}_id"] for n in ("cls", "sep", "pad", "mask")]
-    ids += meta["special_ids"] if isinstance(meta["special_ids"], list) else [None]
-    counts = {s: splits[s].get("tokens") if isinstance(splits[s], dict) else None
-              for s in splits} if isinstance(splits, dict) else {}
-    for ok, expected in [  # in order, each asked only when those before it hold
-            (lambda: is_int(vocab) and 0 < vocab <= MAX_VOCAB,
-             f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
-            (lambda: dtype in ("uint16", "uint32"), f"dtype uint16 or uint32, got {dtype!r}"),
-            (lambda: dtype != "uint16" or vocab <= 1 << 16,
-             f"dtype uint32 for vocab_size {vocab} (uint16 holds ids < 65536)"),
-            (lambda: all(is_int(i) and 0 <= i < vocab for i in ids),
-             f"cls/sep/pad/mask_id and special_ids integers below vocab_size {vocab}, got {ids}"),
-            (lambda: all(isinstance(meta[k], str) for k in ("tokenizer", "tokenizer_fingerprint")),
-             "tokenizer strings"),
-            (lambda: set(SPLITS) <= set(counts) and all(is_int(n) and 0 <= n < 1 << 62
-                                                       for n in counts.values()),
-             f"splits {' and '.join(SPLITS)}, each with its tokens an integer >= 0, got "
-             f"{counts if isinstance(splits, dict) else splits}")]:
-        if not ok():
-            raise InputError(f"{path}: expected {expected}")
+def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fraction=0.005,
+            seed=1337, workers=None):
+    """Tokenize inputs into out_dir/{train,val}.bin and meta.json; returns the meta dict.
+    Inputs are files, folders (one source of their files) or globs (machinery/prepare.py). The work
+    is shared by `workers` processes (default: one per usable core); the files are the same bytes
+    for any number of them. They are written in a folder of this process's own and moved into
+    place at the end, under out_dir/.lock: a failure leaves nothing half-written, and a second
+    prepare into the same folder while this one runs is refused."""
+    t0, out = time.time(), Path(out_dir)
+    sources = find_sources(inputs)
+    names, workers = [s.name for s in sources], usable_cores() if workers is None else workers
+    check_prepare_args(names, out, mix, val_fraction, seed, workers)
+    tokenizer = tokenizer_spec
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer_spec)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    with workspace(out) as tmp, Workers(workers, tokenizer) as pool:
+        # every document as [CLS] ids [SEP], source after source, in input order
+        tokens = tmp / "all.tokens"
+        lengths, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,
+                                                f"tokenizing into {out}")
+        train, val = choose_documents(lengths, names, mix, val_fraction, seed)
+        if not sum(map(len, val)):
+            counts = ", ".join(f"{s.path} has {len(lens)}" for s, lens in zip(sources, lengths))
+            raise InputError(f"--input: the validation split is empty ({counts} document(s)); "
+                             f"val needs at least one document and train keeps one per input, so "
+                             f"give an input 2 or more documents (.txt: separated by a blank line)")
+        splits = {split: write_split(tmp / f"{split}.bin", tokens, dtype, lengths, chosen, names,
+                                     np.random.default_rng([seed, len(sources), split == "val"]),
+                                     pool)
+                  for split, chosen in (("train", train), ("val", val))}
+        # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
+        spec = Path(tokenizer.spec)
+        meta = dict(format=1, dtype=dtype.name, vocab_size=tokenizer.vocab_size,
+                    tokenizer=str(spec.resolve()) if spec.is_file() else tokenizer.spec,
+                    tokenizer_fingerprint=tokenizer.fingerprint, cls_id=tokenizer.cls_id,
+                    sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, mask_id=tokenizer.mask_id,
+                    special_ids=tokenizer.special_ids, field=field, seed=seed,
+                    val_fraction=val_fraction, mix=mix, splits=splits,
+                    sources=[describe(s, d, len(lens))
+                             for s, d, lens in zip(sources, digests, lengths)])
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        publish(tmp, out, ("train.bin", "val.bin", "meta.json"))
+    mb, seconds = text_bytes / 1e6, time.time() - t0
+    print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s, {workers} "
+          f"worker{'s' * (workers > 1)}); " + ", ".join(
+              f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents" for k, v in splits.items()))
     return meta
 
 
-SAMPLE, EDGE = 4096, 8192  # ids read at open: a seeded spread, and the first and last EDGE tokens
+def choose_documents(lengths, names, mix, val_fraction, seed):
+    """(train, val): document indices per source. Validation is drawn first, so that mixing never
+    repeats a validation document in train."""
+    rngs = [np.random.default_rng([seed, i]) for i in range(len(lengths))]
+    train, val = [], []
+    for lens, rng in zip(lengths, rngs):
+        n = len(lens)
+        n_val = min(n - 1, max(1, round(val_fraction * n))) if val_fraction > 0 and n >= 2 else 0
+        is_val = np.zeros(n, bool)
+        is_val[rng.choice(n, n_val, replace=False)] = True
+        train.append(np.flatnonzero(~is_val))
+        val.append(np.flatnonzero(is_val))
+    if mix is not None:  # target shares of the natural train total, reached with whole documents
+        natural = sum(lens[docs].sum() for lens, docs in zip(lengths, train))
+        top = max(mix.values())  # weights over the largest first: 1e308 + 1e308 is no number
+        share = {n: w / top / sum(v / top for v in mix.values()) for n, w in mix.items()}
+        train = [resample(docs, lens, share[n] * natural, rng)
+                 for n, lens, docs, rng in zip(names, lengths, train, rngs)]
+        for n, docs in zip(names, train):
+            if share[n] and not len(docs):  # asked for, and left out: a silent 0 share
+                raise InputError(f"--mix {n}={mix[n]:g}: a share of {share[n]:.3g} of the "
+                                 f"{natural:,} train tokens is less than one document of {n}, so "
+                                 f"train would hold none of it; raise its weight, or give it 0")
+    return train, val
 
 
-def split_tokens(data_dir, meta, split):
-    """The number of tokens in data_dir/{split}.bin, after checking the file against meta.json:
-    its size is the split's token count times the dtype's size, and its ids on a fixed sample are
-    below the vocabulary. A copy cut short, a file of another dtype or tokenizer stops here, before
-    any step (Loader.batch checks every id it reads)."""
-    path, where = Path(data_dir) / f"{split}.bin", Path(data_dir) / "meta.json"
-    dtype, vocab, splits = np.dtype(meta["dtype"]), meta["vocab_size"], meta["splits"]
-    if split not in splits:
-        raise InputError(f"{path}: not found; {where} lists the splits {', '.join(splits)}")
-    n = splits[split]["tokens"]
-    if not path.is_file():
-        raise InputError(f"{path}: not found or not a file; {where} says it holds {n} tokens")
-    size, want = path.stat().st_size, n * dtype.itemsize
-    if size != want:
-        raise InputError(f"{path} holds {size} bytes; {where} says {n} tokens of {dtype.name} = "
-                         f"{want} bytes ({size_hint(size, n, dtype)})")
-    if n == 0:
-        return 0
-    at = sample_positions(n)
+def resample(docs, lengths, target, rng):
+    """Whole documents reaching `target` tokens: each document int(x) times, then a seeded few."""
+    tokens = lengths[docs].sum()
+    repeats, fraction = divmod(target / tokens, 1.0)
+    order = rng.permutation(docs)
+    extra = order[:np.searchsorted(np.cumsum(lengths[order]), fraction * tokens)]
+    return np.concatenate([np.tile(docs, int(repeats)), extra])
+
+
+def write_split(dst, tokens, dtype, lengths, chosen, names, rng, workers):
+    """Write the chosen documents of all sources to dst in one shuffled order (sources interleave;
+    in val too, so that its first windows are a fair sample); returns the split's counts. The
+    order is the seed's alone; the workers copy documents from `tokens` in blocks."""
+    source = np.concatenate([np.full(len(d), i) for i, d in enumerate(chosen)])
+    doc = np.concatenate(chosen)
+    order = rng.permutation(len(doc))
+    every = np.concatenate(lengths)  # documents of all sources, as `tokens` holds them
+    first = np.cumsum([0] + [len(lens) for lens in lengths])[:-1]  # each source's first there
+    at = first[source[order]] + doc[order]
+    write_documents(dst, tokens, dtype, np.cumsum(every)[at] - every[at], every[at], workers)
+    per = {n: {"tokens": int(lens[d].sum()), "documents": len(d)}
+           for n, lens, d in zip(names, lengths, chosen)}
+    return {"tokens": sum(v["tokens"] for v in per.values()), "documents": len(doc),
+            "per_source": per}
+
+
+# ----------------------------------------------------------------------------
+# 5. The demo: a corpus with no download
+
+
+# The demo's text is every docstring of the standard library (1.6 MB on CPython 3.11), and its
+# tokenizer a BPE of 2,048 ids learned from it: 71% of its words are one token (fill-mask answers
+# words), 3.1 bytes a token. 4,096 ids: 84% and 3.6, with a larger embedding to train.
+DEMO_BYTES, DEMO_VOCAB = 4_000_000, 2048
+
+
+def prepare_demo(out_dir="data/demo", vocab_size=DEMO_VOCAB):
+    """The demo corpus, with no download and no text in the repository: the standard library's
+    docstrings, tokenized by a BPE of vocab_size ids learned from them (None: by the byte
+    tokenizer). A demo made with another tokenizer is built again."""
+    out = Path(out_dir)
+    wanted = "bytes" if vocab_size is None else str((out / "tokenizer.json").resolve())
     try:
-        ids = read_at(path, dtype, at)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if len(ids) < len(at):
-        raise InputError(f"{path}: shorter than its size said while it was read: is it being "
-                         f"written?")
-    if ids.max() >= vocab:
-        raise InputError(f"{path}: ids up to {ids.max()} at sample positions (the first at token "
-                         f"{at[np.argmax(ids >= vocab)]}), above the vocabulary of {vocab} in "
-                         f"{where} (a file of another tokenizer or dtype?)")
-    return n
-
-
-def sample_positions(n):
-    """The positions split_tokens reads in a file of n tokens: sorted, the same at every call."""
-    spread = np.random.default_rng(0).integers(0, n, SAMPLE)
-    edges = [np.arange(min(n, EDGE)), np.arange(max(0, n - EDGE), n)]
-    return np.unique(np.concatenate([*edges, spread]))
-
-
-def read_at(path, dtype, positions):
-    """The ids at sorted positions, one read per run of consecutive ones. Not np.memmap: each page
-    fault of a mapping reads the kernel's read-ahead window around it (megabytes), and a few
-    thousand of them would read gigabytes of a large file."""
-    runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
-    with open(path, "rb") as f:
-        return np.concatenate([np.frombuffer(os.pread(f.fileno(), len(r) * dtype.itemsize,
-                                                      int(r[0]) * dtype.itemsize), dtype)
-                               for r in runs])
-
-
-def size_hint(size, n, dtype):
-    """The likely story of a .bin whose size is not the one meta.json implies."""
-    other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
-    if size == n * other.itemsize:
-        return f"the size of {n} tokens of {other.name}: written with another dtype?"
-    return "an interrupted copy?" if size < n * dtype.itemsize else \
-        "longer than that: appended to, or the file of another prepare?"
-
-
-def check_tokenizer(meta, tokenizer):
-    """Stop when the data was tokenized by another tokenizer than the one the model will use."""
-    if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
-        raise InputError(f"data was prepared with tokenizer {meta['tokenizer']} (fingerprint "
-                         f"{meta['tokenizer_fingerprint'][:12]}) but tokenizer {tokenizer.spec} "
-                         f"has fingerprint {tokenizer.fingerprint[:12]}; prepare the data again "
-                         f"with this tokenizer")
+        meta = load_meta(out)
+        for split in SPLITS:  # a demo cut short by a kill or a full disk is built again
+            split_tokens(out, meta, split)
+    except InputError:
+        meta = None
+    if meta and meta["tokenizer"] == wanted and meta["vocab_size"] == (vocab_size or 260):
+        print(f"{out} is already prepared: {meta['splits']['train']['tokens']:,} train tokens")
+        return meta
+    if meta:
+        print(f"{out} holds a demo made with tokenizer {meta['tokenizer']}: building it again")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_docstrings(Path(tmp) / "stdlib_docstrings.jsonl", DEMO_BYTES)
+        tokenizer = "bytes" if vocab_size is None else train_tokenizer([corpus], vocab_size, wanted)
+        return prepare([corpus], tokenizer, out, val_fraction=0.01)
 
 
 # ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Why the output does not depend on the number of workers: a piece is a byte range
 on a document boundary (a line of .jsonl, a blank line of .txt), a run of Parquet row groups, or a whole compressed
 file; its documents are the ones a single reader finds there, and the pieces' tokens are joined in input order.
 """
+import ast
 import contextlib
 import glob
 import gzip
@@ -21,8 +22,10 @@ import re
 import secrets
 import shutil
 import signal
+import sysconfig
 import tempfile
 import zlib
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -121,6 +124,56 @@ def describe(source, digests, documents):
     lines = "".join(f"{d}  {f.name}\n" for f, d in zip(source.files, digests))
     return dict(name=source.name, path=str(source.path), sha256=hashlib.sha256(lines.encode()).hexdigest(),
                 documents=documents, files=[dict(name=f.name, sha256=d) for f, d in zip(source.files, digests)])
+
+
+# ----------------------------------------------------------------------------
+# The demo's text: general English with no download
+
+
+def stdlib_docstrings(max_bytes=1_000_000):
+    """General English text with no download: the docstrings of the standard library's .py files,
+    read with ast (importing some modules has side effects). Parsing is the slow part."""
+    root, total = Path(sysconfig.get_paths()["stdlib"]), 0
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(set(subfolders) - skip)
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                tree = ast.parse(Path(folder, name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in statements(tree):
+                doc = ast.get_docstring(node) if isinstance(node, DOCUMENTED) else None
+                if doc:
+                    yield doc
+                    total += len(doc.encode())
+                    if total >= max_bytes:
+                        return
+
+
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def statements(tree):
+    """The nodes of tree that may hold statements, in ast.walk's order: an expression never holds
+    a docstring, and skipping them saves a third of the time."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(c for c in ast.iter_child_nodes(node)
+                    if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case)))
+        yield node
+
+
+def write_docstrings(path, max_bytes=1_000_000):
+    """The standard library's docstrings as JSONL (the demo's text, and reproduce.py's stand-in for
+    the general text a pretrained encoder saw). Returns the path."""
+    if not is_int(max_bytes) or max_bytes < 1:
+        raise InputError(f"--max_bytes={max_bytes}: expected a positive size")
+    path = Path(path)
+    make_writable_dir(path.parent, path)
+    write_file(path, "".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings(max_bytes)))
+    return path
 
 
 # ----------------------------------------------------------------------------

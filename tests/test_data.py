@@ -19,6 +19,7 @@ import data
 from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 from machinery import prepare as prep
 from machinery import tokenizer as tok
+from machinery import tokenfiles
 from machinery.cli import InputError, run, sha256_file
 from machinery.rundir import hold_lock, release_lock
 
@@ -874,7 +875,7 @@ def test_every_id_a_batch_holds_is_below_the_vocabulary(byte_data, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(byte_data, bad)
     tokens = np.fromfile(bad / "train.bin", dtype=np.uint16)
-    sampled = set(data.sample_positions(len(tokens)).tolist())
+    sampled = set(tokenfiles.sample_positions(len(tokens)).tolist())
     at = next(p for p in range(len(tokens) // 2, len(tokens)) if p not in sampled)
     tokens[at] = 300
     tokens.tofile(bad / "train.bin")
