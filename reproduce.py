@@ -13,7 +13,8 @@ arm differ. Every final model of every replicate is fine-tuned on every task wit
 --study=detour (the default) is continued pretraining of an encoder: a start model; the CLM detour and its MLM
 twin on the domain corpus; low or middle blocks frozen during CLM; the MLM decays (and one with the low blocks
 frozen); layer-wise CKA of the twins, replicate by replicate, against the band of the MLM replicates compared with
-each other (the seed controls); and fine-tuning of every decayed model.
+each other (the seed controls); a needle in a haystack at the lengths the models were trained for (how far back each
+decayed model reads); and fine-tuning of every decayed model.
 --study=biphasic is pretraining from scratch at one budget B: MLM alone (40% masking), CLM for 25% or 50% of B
 then MLM, and CLM alone; same data order, seed and steps, one warmup-stable-decay schedule over all of B (its decay
 in the last 10%, after the switch; the MLM phase continues the CLM phase's run and schedule). CLM is trained once
@@ -58,20 +59,25 @@ HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no mod
 # -----------------------------------------------------------------------------
 # Scales. Budgets in tokens (detour) or optimizer steps of the recipe (biphasic); `replicates`: pretraining runs
 # per arm; `ft`: eval.py finetune's flags, run once per learning rate of `lrs`; a small model fine-tunes best at a
-# larger lr than base's 5e-5. The cpu scales keep within about 80-90 min of 2 idle cores each with 3 replicates:
-# the detour's arms are half as long as with one replicate (500k tokens; 1M moved every layer outside the band
-# before), the biphasic budget B is 80 steps (200 with one replicate) and its grid two learning rates and two seeds.
+# larger lr than base's 5e-5; `needle`: eval.py needle at the lengths from `shortest` up to the recipe's seq_len in
+# powers of two (what the models were trained at), its depths and examples per cell. The cpu scales keep within
+# about 80-90 min of 2 idle cores each with 3 replicates: the detour's arms are half as long as with one replicate
+# (500k tokens; 1M moved every layer outside the band before), the biphasic budget B is 80 steps (200 with one
+# replicate) and its grid two learning rates and two seeds.
 
 DETOUR = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
                   replicates=2, eval_interval=2, cka=dict(n=32, seeds="42,43,44", max_len=128),
+                  needle=dict(shortest=64, depths="0,50,100", n=4),
                   ft=dict(seeds="42,43,44", epochs=1, train_subset=32, eval_subset=16, max_len=64), lrs=[1e-3]),
     "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=500_000,
                 replicates=3, eval_interval=10, cka=dict(n=300, seeds="42,43,44", max_len=256),
+                needle=dict(shortest=64, depths="0,25,50,75,100", n=30),
                 ft=dict(seeds="42,43,44", epochs=2, train_subset=500, eval_subset=200, max_len=128),
                 lrs=[5e-4]),
     "paper": dict(recipe="paper", start="answerdotai/ModernBERT-base", arm_tokens=10_000_000_000, replicates=3,
                   eval_interval=None, cka=dict(n=500, seeds="42,43,44", max_len=512),
+                  needle=dict(shortest=512, depths="0,25,50,75,100", n=100),
                   ft=dict(seeds="42,43,44,45,46", max_len=512), lrs=[5e-5]),
 }
 # B = `steps`, E = `extra_steps`, both multiples of 4 so that every share is whole steps. decay_steps 0: train.py's
@@ -220,7 +226,29 @@ def detour_plan(s, out, a):
             "eval.py", "cka", ",".join(str(runs / m) for m in mlm), ",".join(str(runs / m) for m in clm),
             f"--texts={HELDOUT}", *(f"--{k}={v}" for k, v in s["cka"].items()), "--names=MLM,CLM",
             f"--out={out / f'cka-{when}.json'}"), mlm + clm, [HELDOUT]))
+    stages.append(needle_stage(s, out, R))
     return stages + finetune_stages(s, out, a.tasks, "detour", R)
+
+
+def needle_stage(s, out, R):
+    """eval.py needle on every final model of every replicate, an arm's replicates together, at the lengths the
+    scale's models were trained for: powers of two from the scale's shortest up to its recipe's seq_len."""
+    finals = [[replicate(m, r) for r in range(1, R + 1)] for m in FINAL["detour"]]
+    seq_len, lengths = trained_length(s["recipe"]), [s["needle"]["shortest"]]
+    while lengths[-1] * 2 <= seq_len:
+        lengths.append(lengths[-1] * 2)
+    arms = [",".join(str(out / "runs" / m) for m in arm) for arm in finals]
+    return Stage("needle", python("eval.py", "needle", *arms, f"--names={','.join(FINAL['detour'])}",
+                                  f"--texts={HELDOUT}", f"--lengths={','.join(map(str, lengths))}",
+                                  f"--depths={s['needle']['depths']}", f"--n={s['needle']['n']}",
+                                  f"--out={out / 'needle.json'}"),
+                 [m for arm in finals for m in arm], [HELDOUT])
+
+
+def trained_length(recipe):
+    """The sequence length a train.py recipe trains at, read from train.py itself."""
+    from train import RECIPES, Config  # imports torch
+    return {**vars(Config()), **RECIPES[recipe]}["seq_len"]
 
 
 def step_tokens(recipe):
@@ -337,6 +365,7 @@ def report(out, study, scale, s, stages, plan, R):
     if study == "detour":
         rep["cka"] = {w: {k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"}
                       for w in ("before", "after")}
+        rep["needle"] = needle_summary(out / "needle.json")
     rep["what"] = what_was_run(rep, study, s, stages)
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
     rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
@@ -352,6 +381,16 @@ def finite(obj):
     if isinstance(obj, list):
         return [finite(v) for v in obj]
     return str(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def needle_summary(path):
+    """eval.py needle's result without each example's numbers (the file beside the report keeps them)."""
+    r = read_json(path, "eval.py needle's result")
+    for arm in r["arms"].values():
+        for run in arm["replicates"]:
+            run["cells"] = {length: {c: {k: v for k, v in cell.items() if not k.endswith("_each")}
+                                     for c, cell in row.items()} for length, row in run["cells"].items()}
+    return r
 
 
 def runs_summary(stages):
@@ -443,6 +482,10 @@ def what_was_run(rep, study, s, stages):
         rows.insert(5, ("CKA", f"{s['cka']['n']} held-out texts x {len(s['cka']['seeds'].split(','))} draws, "
                                f"{s['cka']['max_len']} tokens; {R} MLM-CLM pairs; band: {k} seed control(s) (every "
                                f"two MLM replicates)"))
+        a = rep["needle"]["args"]
+        rows.insert(6, ("needle", f"{a['n']} held-out examples per length x depth, lengths "
+                                  f"{', '.join(map(str, a['lengths']))} (up to the trained {a['lengths'][-1]}), depths "
+                                  f"{', '.join(f'{d}%' for d in a['depths'])}; every final model of every replicate"))
     return rows
 
 

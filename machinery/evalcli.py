@@ -24,6 +24,14 @@ def seed_list(text):
     return tuple(seeds)
 
 
+def one_seed(text):
+    """argparse type: one seed of seed_list."""
+    seeds = seed_list(text)
+    if len(seeds) != 1:
+        raise argparse.ArgumentTypeError(f"expected one seed, got {text}")
+    return seeds[0]
+
+
 def name_list(text, count=None):
     """argparse type: distinct non-empty names separated by commas (`count` of them if given)."""
     names = text.split(",")
@@ -59,6 +67,18 @@ def max_len(text):
     return int(text)
 
 
+def int_list(text, low, high, what):
+    """argparse type: distinct integers in [low, high] separated by commas, in increasing order."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not all(low <= x <= high for x in values) or values != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"expected distinct {what} from {low} to {high} in increasing order, "
+                                         f"got {text}")
+    return tuple(values)
+
+
 def parser(ev):
     """eval.py's command line over the module `ev` (eval.py): its functions are the sub-commands."""
     p = Parser(prog="eval.py", description=ev.__doc__)
@@ -90,6 +110,7 @@ def parser(ev):
     m.add_argument("--n_sequences", type=positive_int, default=64, help="validation windows read")
     m.add_argument("--seq_len", type=positive_int, default=512, help="tokens per window")
     m.add_argument("--batch_size", type=positive_int, default=8, help="windows per forward pass")
+    needle_flags(command(ev.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
     k = command(ev.curves, [], "several runs' loss curves on shared axes")
     k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
     k.add_argument("--out", required=True, help="the PNG to write")
@@ -112,6 +133,23 @@ def cka_flags(c):
                    help="sampling seeds: a draw of --n texts each")
     c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")
     c.add_argument("--out", default="cka.json", help="the JSON result; the figure goes beside it")
+
+
+def needle_flags(n):
+    n.add_argument("models", nargs="+", help="a model folder, run directory or hub id per arm, or an arm's "
+                   "replicates separated by commas")
+    n.add_argument("--texts", required=True, help="JSONL of held-out texts, {'text': ...} a line: the haystacks")
+    n.add_argument("--lengths", type=lambda t: int_list(t, 16, 2 ** 20, "lengths"), default=(512, 1024, 2048, 4096,
+                   8192), help="tokens per sequence, [CLS] and [SEP] included (at most max_position_embeddings)")
+    n.add_argument("--depths", type=lambda t: int_list(t, 0, 100, "percentages"), default=(0, 25, 50, 75, 100),
+                   help="how far back the needle sits, in percent of the haystack (0: right before the query)")
+    n.add_argument("--n", type=positive_int, default=20, help="examples per length and depth")
+    n.add_argument("--seed", type=one_seed, default=0, help="draws the values and the haystacks")
+    n.add_argument("--names", type=name_list, default=None, help="a name per arm (none: the first folder's)")
+    n.add_argument("--batch_tokens", type=positive_int, default=8192,
+                   help="tokens per forward pass: max(1, this // length) sequences")
+    n.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' (none: the model's)")
+    n.add_argument("--out", default="needle.json", help="the JSON result; examples and heat map go beside it")
 
 
 def finetune_flags(f, ner_modes):

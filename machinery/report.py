@@ -1,5 +1,6 @@
 """Markdown tables and figures of comparisons: CKA against its seed-noise band, fine-tuned arms with their
-intervals. A reader of the recipe may skip this file: the numbers come from eval.py (CKA, `compare`)."""
+intervals, the needle's heat map. A reader of the recipe may skip this file: the numbers come from eval.py (CKA,
+`compare`, `needle`)."""
 import math
 from pathlib import Path
 
@@ -169,6 +170,77 @@ INTERVAL_LEGEND = (
 
 
 # -----------------------------------------------------------------------------
+# Long context: the needle (eval.needle)
+
+
+def needle_cell_text(cell, key):
+    return f"{100 * cell[key]:.0f} {span(cell[f'{key}_low'], cell[f'{key}_high'], '.0f', 100)}"
+
+
+def needle_markdown(r, names=None):
+    """A needle result as two markdown tables, exact match and token accuracy (%, with 95% intervals): a row per
+    model and length, a column per depth, then the two controls."""
+    names, n = names or {}, r["args"]["n"]
+    replicated = any(len(arm["models"]) > 1 for arm in r["arms"].values())
+    lines = [f"Needle in a haystack: a made-up code ({r['value_pool']}) written into held-out text, then asked "
+             f"for at the end with its tokens masked (\"{r['needle'][0].strip()} [MASK]...{r['needle'][1]}\"), "
+             f"filled by the argmax of the MLM logits. {n} examples per cell, the same for every model. Depth: how "
+             f"far back from the query the needle sits, as a share of the haystack (0% right before the query, "
+             f"100% right after [CLS]). Controls: no needle (what the model guesses from priors) and the needle "
+             f"right before the query with no haystack (its best case). % with a 95% interval over the examples "
+             f"(exact match: Wilson; token accuracy: t)"
+             + ("; for an arm of several replicates, their mean with a t interval over the replicates (pretraining "
+                "noise: the examples are the same for each)." if replicated else "."), ""]
+    columns = r["columns"]
+    head = "| model | length | " + " | ".join(f"{c}%" if c.isdigit() else c for c in columns) + " |"
+    for key, what in (("exact", "exact match of the whole value"), ("token", "token accuracy")):
+        lines += [f"**{what}**", "", head, "|---" * (len(columns) + 2) + "|"]
+        for arm, a in r["arms"].items():
+            for length in map(str, r["lengths"]):
+                cells = [needle_cell_text(a["mean"][length][c], key) for c in columns]
+                lines.append(f"| {names.get(arm, arm)} ({len(a['models'])}) | {length} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_needle(r, path, names=None):
+    """The heat map: exact match (%) per length x depth, one panel per model (its replicates' mean), the two
+    controls as the last columns beyond a white line; every cell written in it."""
+    names, arms = names or {}, r["arms"]
+    cols = min(3, len(arms))
+    rows = -(-len(arms) // cols)
+    fig = new_figure((cols * (1.5 + 0.75 * len(r["columns"])), rows * (1.6 + 0.45 * len(r["lengths"])) + 0.5), 120,
+                     layout="constrained", what="needle heat map (the JSON has every number)")
+    if fig is None:
+        return None
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(arms):]:
+        ax.set_visible(False)
+    depths = [c for c in r["columns"] if c.isdigit()]
+    for ax, (arm, a) in zip(axes, arms.items()):
+        grid = [[100 * a["mean"][str(length)][c]["exact"] for c in r["columns"]] for length in r["lengths"]]
+        image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto", origin="lower")
+        for i, row in enumerate(grid):
+            for j, x in enumerate(row):
+                ax.text(j, i, f"{x:.0f}", ha="center", va="center", fontsize=8, color="white" if x < 60 else "black")
+        ax.axvline(len(depths) - 0.5, color="white", lw=3)
+        ax.set_xticks(range(len(r["columns"])), [f"{c}%" for c in depths] + ["no\nneedle", "next to\nquery"],
+                      fontsize=8)
+        ax.set_yticks(range(len(r["lengths"])), [str(x) for x in r["lengths"]])
+        ax.set(xlabel="depth (0%: right before the query) | controls", ylabel="length (tokens)",
+               title=f"{names.get(arm, arm)} ({len(a['models'])} replicate(s))")
+    fig.colorbar(image, ax=list(axes[:len(arms)]), label="exact match %", shrink=0.8)
+    fig.suptitle(f"Needle in a haystack: exact match of the value (%, the mean over a model's replicates), "
+                 f"{r['args']['n']} examples per cell")
+    try:
+        save(fig, path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    print(f"wrote {path}")
+    return Path(path).name
+
+
+# -----------------------------------------------------------------------------
 # A study's report (reproduce.py): its markdown and its figure, from the numbers reproduce.py gathers in `rep`.
 # spec: the study's title, method names, final models (the colours) and the models fine-tuned.
 
@@ -190,6 +262,9 @@ def study_markdown(rep, spec):
     for when in ("before", "after") if "cka" in rep else ():
         lines += [f"## Layer-wise CKA {when} the decay", "", cka_markdown(rep["cka"][when]).strip(), "",
                   f"![CKA {when} the decay](cka-{when}.png)", ""]
+    if "needle" in rep:
+        lines += ["## Long context: the needle", "", needle_markdown(rep["needle"], names).strip(), "",
+                  "![the needle](needle.png)", ""]
     for title, comparison in rep["finetune"].items():
         lines += [f"## Fine-tuning: {title}", "",
                   finetune_markdown(comparison, names, settings="fine-tuning lr").strip(), ""]

@@ -168,7 +168,7 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
 def test_a_third_invocation_skips_every_finished_stage(detour):
     out, _, _, _, third = detour
     assert "[run]" not in third and "[resume]" not in third
-    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 34
+    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 35
 
 
 @pytest.mark.slow  # needs the detour's finished smoke run: about a minute
@@ -209,7 +209,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
 def test_the_same_command_dry_run_lists_every_stage_finished(detour):
     out, args, _, _, _ = detour
     text = finished(reproduce(*args, "--dry_run"))
-    assert text.splitlines()[-1] == f"34 stages (34 finished in {out}); inputs checked; nothing was run (--dry_run)"
+    assert text.splitlines()[-1] == f"35 stages (35 finished in {out}); inputs checked; nothing was run (--dry_run)"
 
 
 def test_sigterm_to_the_driver_ends_every_stage(biphasic_stopped):
@@ -298,8 +298,8 @@ def test_an_interrupted_run_gives_the_same_report(which, request, tmp_path):
     assert without_times(report) == without_times(json.loads((out / "report.json").read_text()))
 
 
-@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 45), ("biphasic", "paper", 88),
-                                                 ("detour", "cpu", 49), ("biphasic", "cpu", 71)])
+@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 46), ("biphasic", "paper", 88),
+                                                 ("detour", "cpu", 50), ("biphasic", "cpu", 71)])
 def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale, count):
     need(CORPUS)
     out = tmp_path / "exp"
@@ -311,7 +311,8 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale,
     assert len(command) == count
     assert "--seed=19 --data_seed=44" in command["mlm-r3"] and "--seed=17 --data_seed=42" in command["mlm-r1"]
     hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if "GPU-hours)" in c}
-    assert set(hours) == {name for name in command if not name.startswith(("finetune-", "cka-", "data-", "tok"))}
+    evals = ("finetune-", "cka-", "needle", "data-", "tok")
+    assert set(hours) == {name for name in command if not name.startswith(evals)}
     total = float(lines[-2].split("~", 1)[1].split()[0])
     assert lines[-2].startswith("the trainings: ~") and total == pytest.approx(sum(hours.values()), rel=0.01)
     if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
