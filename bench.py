@@ -259,7 +259,7 @@ def allocated(device):
 
 def interleaved(steps, device, warmup, repeats):
     """Median seconds per step of each function, called in turn (a, b, a, b, ...) so that load from other
-    processes hits all alike; on CUDA also the most each step allocated above what was allocated before it."""
+    processes hits all alike; on CUDA also the most each timed step allocated above what was allocated before it."""
     import torch
     cuda = device.type == "cuda"
     times, memory = [[] for _ in steps], [0 for _ in steps]
@@ -273,9 +273,10 @@ def interleaved(steps, device, warmup, repeats):
             step()
             if cuda:
                 torch.cuda.synchronize(device)
-                memory[k] = max(memory[k], torch.cuda.max_memory_allocated(device) - before)
-            if i >= warmup:
+            if i >= warmup:  # the warm-up's compilation and autotuning allocate what the steps never need again
                 times[k].append(time.perf_counter() - t0)
+                if cuda:
+                    memory[k] = max(memory[k], torch.cuda.max_memory_allocated(device) - before)
     return [(statistics.median(t), m) for t, m in zip(times, memory)]
 
 
@@ -316,14 +317,17 @@ def measure(args, preset, phase, seq_len, micro):
     forwards = {"ours": lambda: ours(x, labels=y_host, causal=causal)[1],
                 "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
     # transformers' ModernBERT has no causal mode: it gets the causal (and sliding-window) masks as tensors
+    with autocast(device):  # the backend the steps run: auto's pick depends on the dtype
+        backend = ours.attention_backend(device)
     row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
-               backend=ours.attention_backend(device), peer_attention=attn + "+causal mask" * causal)
+               backend=backend, peer_attention=attn + "+causal mask" * causal)
     for name, model in (("ours", ours), ("peer", peer)):
         with torch.no_grad(), autocast(device):
             row[f"loss_{name}"] = forwards[name]().item()
         model.train()
     if args.compile:  # regional compilation, as train.py does; the peer too, so that the ratio is the code's
-        for block in [*ours.model.layers, *peer.model.layers]:
+        ours.compile_blocks()
+        for block in peer.model.layers:
             block.compile()
 
     def training_step(model, opt, forward):
@@ -656,7 +660,8 @@ def resolve(args):
     args.device = pick_device(args.device, flag="--device")
     from model import pick_backend
     try:
-        pick_backend(args.device, args.backend, training=True)
+        with autocast(args.device):  # the steps' dtype: flash-attn refuses float32
+            pick_backend(args.device, args.backend, training=True)
     except ValueError as e:
         raise InputError(f"--backend={args.backend}: {e}") from None
     if args.warmup < 0:

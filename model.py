@@ -25,8 +25,8 @@ from machinery.hf import (check_config, config_to_hf, read_config, read_weights,
                           write_checkpoint)
 # BACKENDS: the one table of attention backends; train.py and bench.py take it, BACKEND_NAMES and
 # pick_backend from here.
-from machinery.kernels import (BACKEND_NAMES, BACKENDS, IGNORE_INDEX, linear_cross_entropy,
-                               pick_backend)
+from machinery.kernels import (BACKEND_NAMES, BACKENDS, IGNORE_INDEX, allow_graphs, compute_dtype,
+                               linear_cross_entropy, pick_backend)
 
 # -----------------------------------------------------------------------------
 # Configuration. Field names follow Hugging Face's config.json; machinery/hf.py checks every value.
@@ -186,6 +186,7 @@ class ModernBERT(nn.Module):
     def __init__(self, config: ModernBERTConfig, backend: str = "auto"):
         super().__init__()
         self.config, self.backend = config, backend  # backend: a name in BACKENDS, or "auto"
+        self.compiled_with = None  # torch.compile's backend once compile_blocks has run
         c = config
         self.model = nn.ModuleDict(dict(
             embeddings=nn.ModuleDict(dict(
@@ -219,9 +220,23 @@ class ModernBERT(nn.Module):
 
     # --- forward ---
     def attention_backend(self, device=None):
-        """The backend name this model runs with on `device` (see BACKEND_NAMES)."""
-        device = device or self.decoder.weight.device
-        return pick_backend(torch.device(device), self.backend)
+        """The backend name this model runs with on `device` (see BACKEND_NAMES), in the dtype autocast gives
+        there now (else the weights')."""
+        device = torch.device(device or self.decoder.weight.device)
+        return pick_backend(device, self.backend, dtype=compute_dtype(device, self.decoder.weight.dtype))
+
+    def compile_blocks(self, backend="inductor"):
+        """torch.compile each block (regional compilation): blocks of one kind share their graphs, so a deep
+        model compiles as fast as a shallow one."""
+        # Every block runs the one Block.forward, whose graphs dynamo keeps together. A run needs one per block
+        # kind (layer 0 without attn_norm, global, local) and mode (training; MLM and CLM validation, without
+        # grad and with other masks), each compiled for its first shapes and once more with the sizes that then
+        # changed made dynamic (the unpadded token count, a short last validation batch).
+        kinds = len({(type(b.attn_norm), b.local) for b in self.model.layers})
+        allow_graphs(kinds * 3 * 2)
+        for block in self.model.layers:
+            block.compile(backend=backend)
+        self.compiled_with = backend
 
     def encode(self, input_ids, attention_mask=None, causal=False, doc_ids=None, all_layers=False):
         """Final hidden states (B, T, d) after final_norm; with all_layers, the L block outputs."""

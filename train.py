@@ -94,6 +94,9 @@ class Config:
     ddp_timeout: int = 900  # seconds a process waits for the others before the job stops
 
 
+# torch.compile's backend for the blocks, by device type. A CPU runs them eager: inductor's C++ build takes
+# minutes there, for steps that take milliseconds. The tests add a CPU entry that traces without generating code.
+COMPILERS = {"cuda": "inductor"}
 # Scales: the values a recipe changes. The paper's is the defaults above.
 RECIPES = {
     "paper": {},
@@ -470,9 +473,8 @@ def setup(given):
     if rank == 0:
         progress.start(how, cfg, step, source, state, start, learning_rate)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
-    if cfg.compile and device.type == "cuda":
-        for block in model.model.layers:  # regional compilation: one graph per block kind
-            block.compile()
+    if cfg.compile and device.type in COMPILERS:
+        model.compile_blocks(COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if run_dir:

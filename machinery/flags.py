@@ -332,9 +332,11 @@ def check_start(cfg, how, state, config_cls):
     if state is not None:
         saved = {k: v for k, v in state["config"].items() if k in field_types(config_cls)}
         check_state(state, cfg if how == "resume" else config_cls(**saved))
-    from machinery.cli import pick_device
+    from machinery.cli import autocast, pick_device
     from machinery.kernels import pick_backend
+    device = pick_device(cfg.device)
     try:
-        pick_backend(pick_device(cfg.device), cfg.backend, training=True)
+        with autocast(device, cfg.dtype):  # the dtype the steps will compute in: flash-attn refuses float32
+            pick_backend(device, cfg.backend, training=True)
     except ValueError as e:
         raise InputError(f"--backend={cfg.backend}: {e}") from None

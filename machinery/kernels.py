@@ -64,6 +64,10 @@ class SDPA:
     auto = available  # whether "auto" may pick it on this device
     trains = available  # whether it has a backward on this device
 
+    @staticmethod
+    def computes(device, dtype):  # whether it computes in this dtype on this device
+        return True
+
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
         self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
         if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
@@ -114,9 +118,10 @@ class Flex(SDPA):
     @staticmethod
     def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
-        return create_block_mask(mask_rule(causal, window, local, token_mask, doc_ids),
-                                 None if per_row is None else per_row.shape[0], None, T, T, device=device,
-                                 _compile=device.type == "cuda")
+        # compiled on CUDA, where eager mask building materialises the whole (B, T, T) mask first
+        build = compiled(create_block_mask, dynamic=False) if device.type == "cuda" else create_block_mask
+        return build(mask_rule(causal, window, local, token_mask, doc_ids),
+                     None if per_row is None else per_row.shape[0], None, T, T, device=device)
 
     def attend(self, q, k, v, local):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
@@ -132,8 +137,23 @@ cached_mask = functools.lru_cache(maxsize=32)(lambda kind, *args: kind.build_mas
 @functools.cache
 def compiled(fn, dynamic):
     """torch.compile(fn), made on first use: importing the compiler costs ~2 s, which CPU runs never need.
-    Compiled FlexAttention is the point of it (eager FlexAttention materialises the whole score matrix)."""
+    Compiled FlexAttention is the point of it (eager FlexAttention materialises the whole score matrix).
+    Room for its graphs: in each mode (training, MLM and CLM validation) a global and a local mask, each at up
+    to two batch sizes (a short last validation batch), static shapes: 3 x 2 x 2."""
+    allow_graphs(3 * 2 * 2)
     return torch.compile(fn, dynamic=dynamic)
+
+
+def allow_graphs(n):
+    """Let dynamo keep n compiled graphs per function. Past its recompile_limit (8 by default) it warns and runs
+    the function eager from then on: on a GPU, that is every step at a fraction of the speed."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
+
+
+def compute_dtype(device, weights=torch.float32):
+    """The dtype the blocks compute in on `device`: autocast's where it is on, else the weights'."""
+    on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    return torch.get_autocast_dtype(device.type) if on else weights
 
 
 class Flash:
@@ -148,6 +168,10 @@ class Flash:
         return flash_attn_varlen_func is not None and device.type == "cuda"
 
     auto = trains = available
+
+    @staticmethod
+    def computes(device, dtype):  # its CUDA kernels take bf16 and fp16 only (the CPU test double takes fp32 too)
+        return device.type != "cuda" or dtype in (torch.bfloat16, torch.float16)
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
         self.shape, self.causal, self.window = (B, T), causal, window
@@ -180,20 +204,28 @@ class Flash:
             raise InputError("flash-attn computes in bf16/fp16: run under torch.autocast, or pick another "
                              "attention backend")
         w = self.window if local else -1  # keys i - w ..= i + w; -1: unbounded (flash-attn's convention)
+        # deterministic: --resume promises the uninterrupted run's weights bit for bit, and flash-attn's backward
+        # otherwise adds up dQ with atomics whose order changes from run to run (the price: a slightly slower
+        # backward, by flash-attn's own account)
         return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
                                       softmax_scale=q.shape[-1] ** -0.5, causal=self.causal,
-                                      window_size=(w, 0 if self.causal and local else w))
+                                      window_size=(w, 0 if self.causal and local else w), deterministic=True)
 
 
+# flash-attn 3 (the flash_attn_interface module, Hopper kernels) is not used: it is built from source, its varlen
+# function changed what it returns and takes between releases, and no Hopper GPU has run it against the SDPA
+# reference here; flash-attn 2 runs on Hopper too, and the tests pin its documented interface.
 BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA}  # "auto" picks the first available, in this order
 BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
 
 
-def pick_backend(device: torch.device, requested: str = "auto", training: bool = False) -> str:
-    """The backend to run on `device`: `requested` if this device has it (and its backward, for `training`);
-    for auto, the first in BACKENDS that suits the device."""
+def pick_backend(device: torch.device, requested: str = "auto", training: bool = False, dtype=None) -> str:
+    """The backend to run on `device`: `requested` if this device has it (and its backward, for `training`) in
+    `dtype` (None: the dtype autocast gives here now, else fp32); for auto, the first in BACKENDS that suits all
+    three, so that auto never picks a backend that would refuse the batch."""
+    dtype = dtype or compute_dtype(device)
     if requested == "auto":
-        return next(name for name, kind in BACKENDS.items() if kind.auto(device))
+        return next(name for name, kind in BACKENDS.items() if kind.auto(device) and kind.computes(device, dtype))
     if requested not in BACKENDS:
         raise InputError(f"unknown attention backend {requested!r}; expected auto, {', '.join(BACKENDS)}")
     if not BACKENDS[requested].available(device):
@@ -202,6 +234,10 @@ def pick_backend(device: torch.device, requested: str = "auto", training: bool =
     if training and not BACKENDS[requested].trains(device):
         raise InputError(f"attention backend {requested!r} cannot train on {device.type}: PyTorch has no backward "
                          f"for it there (it needs CUDA); use sdpa or auto")
+    if not BACKENDS[requested].computes(device, dtype):
+        name = str(dtype).removeprefix("torch.")
+        raise InputError(f"attention backend {requested!r} cannot compute in {name} on {device.type} (flash-attn takes "
+                         f"bfloat16 and float16 only): use --dtype=bfloat16, or another backend for --dtype={name}")
     return requested
 
 

@@ -10,18 +10,25 @@ import sys
 import torch
 
 from machinery import flags
-from machinery.cli import InputError, launcher, read_json
+from machinery.cli import InputError, autocast, launcher, read_json
 from machinery.curves import run_dir_of
 from machinery.rundir import ROOT, RunDir, continuation_dir, latest_state
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU, for MFU
+# Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
+# part of the device name, the first that matches: the PCIe and NVL boards before the SXM parts whose names they
+# contain ("NVIDIA H100 80GB HBM3" and "NVIDIA H200" are SXM).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+              "A100": 312e12}
+
+
+def peak_of(name):
+    """The peak of a device named `name` (torch.cuda.get_device_name), or None for a GPU the table lacks."""
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def peak_flops(device):
     """The GPU's dense bf16 peak from PEAK_FLOPS, or None (a CPU, an unknown GPU: no MFU)."""
-    if device.type != "cuda":
-        return None
-    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+    return peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def start(how, cfg, step, source, state, schedule_from, learning_rate):
@@ -68,7 +75,10 @@ def plan(r, total_steps):
     print(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {r.device}{gpu}, {r.world} "
           f"process(es), {torch.get_num_threads()} CPU thread(s) each (--threads)")
-    print(f"model: {r.model.num_params():,} parameters, attention: {r.model.attention_backend(r.device)}")
+    with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
+        backend = r.model.attention_backend(r.device)
+    compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
+    print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}")
     objective = "CLM, causal mask" if cfg.objective == "clm" else f"MLM at {cfg.mask_rate:.0%}, bidirectional"
     print(f"recipe {cfg.recipe}, phase {cfg.phase}: {objective}; schedule {cfg.schedule} over "
           f"{cfg.schedule_tokens or cfg.tokens:,} tokens, this phase from token {r.schedule_start:,} of it; "

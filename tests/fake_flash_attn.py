@@ -10,6 +10,7 @@ flash-attn's documented semantics (flash_attn_interface.py docstrings, flash-att
   [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] inclusive; -1 means unbounded on that side.
 - a query row whose mask is all zero outputs zeros.
 - dropout_p: dropout on the attention probabilities.
+- deterministic: whether the backward adds up dQ in a fixed order (the double always does).
 
 It accepts fp32 as well as bf16/fp16, so the flash backend can be compared with SDPA at fp32 precision on a
 CPU (the real kernel only takes fp16/bf16 on CUDA; machinery/kernels.py keeps that check for CUDA tensors)."""
@@ -17,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 calls = []  # (causal, window_size, n_sequences) per call, so tests can see what the model asked for
+determinism = []  # the deterministic argument of each call
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), **unsupported):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
+                           **unsupported):
     assert not unsupported, f"the double does not implement {sorted(unsupported)}"
     assert q.ndim == k.ndim == v.ndim == 3 and q.shape[1:] == k.shape[1:], (q.shape, k.shape)
     for cu, total, longest in ((cu_seqlens_q, q.shape[0], max_seqlen_q), (cu_seqlens_k, k.shape[0], max_seqlen_k)):
@@ -30,6 +33,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert len(window_size) == 2 and all(isinstance(w, int) and w >= -1 for w in window_size), window_size
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     calls.append((causal, tuple(window_size), len(cu_seqlens_q) - 1))
+    determinism.append(deterministic)
     args = (cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), dropout_p, scale, causal, tuple(window_size))
     return _Varlen.apply(q, k, v, args)
 

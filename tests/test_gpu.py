@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -35,6 +36,15 @@ from machinery.cli import autocast
 from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig, read_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def by_name(*names):
+    """Attention backends as test parameters, each tested by name (never auto's pick on this machine); flash
+    skipped, saying so, where flash-attn is not installed."""
+    return [pytest.param(name, marks=pytest.mark.skipif(
+        name == "flash" and not FLASH, reason="flash-attn is not installed (tests/test_backends.py runs its double)"))
+        for name in names]
 
 CUDA = torch.device("cuda")
 T = 256  # two FlexAttention blocks of 128 tokens, longer than a local layer's window (64 on each side)
@@ -109,13 +119,11 @@ def assert_close_in_bf16(got, want, what, loss_rtol=LOSS_RTOL):
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", by_name(*BACKENDS))
 def test_backend_trains_in_bf16_close_to_fp32(backend, causal, layout):
     """Forward, backward and a train.AdamW step under bf16 autocast, against the fp32 SDPA reference of the
     same weights (SDPA's fp32 equals transformers to 1e-4 on a CPU, tests/test_model.py); the step against
     torch.optim.AdamW on the same gradients."""
-    if backend == "flash" and importlib.util.find_spec("flash_attn") is None:
-        pytest.skip("flash-attn is not installed (its path is tested on a CPU through tests/fake_flash_attn.py)")
     model = tiny_model().to(CUDA).train()  # dropout 0: train mode changes nothing but autograd's bookkeeping
     batch = make_batch(layout, causal)
     model.backend = "sdpa"
@@ -143,14 +151,18 @@ def test_backend_trains_in_bf16_close_to_fp32(backend, causal, layout):
 # torch.compile of the blocks
 
 
-def test_compiled_blocks_match_eager_and_never_recompile():
-    """Regional compilation as train.py does it, on CUDA (inductor, FlexAttention inside the blocks): the same
-    losses and gradients as the eager blocks in bf16, and no new graph once both modes have run, while the
+@pytest.mark.filterwarnings("error:_compile flag on create_block_mask:DeprecationWarning")
+@pytest.mark.parametrize("backend", by_name(*BACKENDS))
+def test_compiled_blocks_match_eager_and_never_recompile(backend):
+    """Regional compilation as train.py does it, on CUDA (inductor, each backend's attention inside the blocks):
+    the same losses and gradients as the eager blocks in bf16, no graph break (flash-attn registers its kernels
+    as torch.library ops from 2.7 on: requirements.txt), and no new graph once both modes have run, while the
     number of labelled positions changes at every step."""
     from torch._dynamo.utils import counters
+    counters.clear()
     eager, compiled = tiny_model().to(CUDA).train(), tiny_model().to(CUDA).train()
-    for block in compiled.model.layers:
-        block.compile()
+    eager.backend = compiled.backend = backend
+    compiled.compile_blocks()
     kinds = len({(i == 0, block.local) for i, block in enumerate(compiled.model.layers)})  # 0, global, local
     g = torch.Generator().manual_seed(0)
     graphs = []
@@ -171,6 +183,7 @@ def test_compiled_blocks_match_eager_and_never_recompile():
         # differences of bf16's rounding, averaged over the labelled positions, so half the fp32 tolerance
         assert_close_in_bf16(got, want, f"step {step}: compiled against eager", loss_rtol=LOSS_RTOL / 2)
     assert graphs[2:] == [graphs[1]] * 4, f"graphs after each step: {graphs}"
+    assert not counters["graph_break"], f"{backend}: graph breaks {dict(counters['graph_break'])}"
 
 
 # ----------------------------------------------------------------------------
@@ -181,8 +194,8 @@ STEPS, STEP_TOKENS = 40, 8 * 128  # the smoke recipe: tiny model, 8 sequences of
 SMOKE = ["--recipe=smoke", "--phase=clm", "--save_interval=4", "--eval_interval=1000"]
 
 
-def torchrun_command(*flags):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+def torchrun_command(*flags, nproc=1):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(ROOT / "train.py"), *flags]
 
 
@@ -290,18 +303,68 @@ def test_stop_kill_and_resume_equal_the_uninterrupted_run(clm_run, demo_corpus, 
     assert not differ, f"{len(differ)} of {len(want)} tensors differ from the uninterrupted run: {differ}"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP needs 2 GPUs (NCCL over one is no process group)")
+def test_compiled_blocks_under_ddp_match_eager_ones(demo_corpus, tmp_path):
+    """torchrun on 2 GPUs (NCCL), 2 accumulation steps (gradients all-reduced on the last only), inductor-compiled
+    blocks against eager ones: DDP wraps the model whose blocks dynamo compiled, and splits their graphs at its
+    gradient buckets. Inductor fuses element-wise ops and rounds to bf16 once where eager rounds each: the
+    logged and validation losses within half the bf16 tolerance (tests/test_compile.py checks the same run
+    bit for bit on a CPU, where the compiled graphs run PyTorch's own kernels)."""
+    flags = [*SMOKE[:2], f"--data={demo_corpus}", "--batch_size=8", "--micro_batch_size=2", "--eval_interval=3",
+             f"--tokens={6 * STEP_TOKENS}", "--save_interval=0"]
+    logs = {}
+    for compiled in (True, False):
+        out = tmp_path / f"compile-{compiled}"
+        result = subprocess.run(torchrun_command(*flags, f"--compile={compiled}", f"--out_dir={out}", nproc=2),
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "2 micro x 2 accumulation x 2 process(es)" in result.stdout
+        logs[compiled] = [json.loads(line) for line in open(out / "log.jsonl")]
+    for got, want in zip(logs[True], logs[False], strict=True):
+        for key in ("loss", "val_mlm", "val_clm"):
+            if key in want:
+                assert abs(got[key] - want[key]) <= LOSS_RTOL / 2 * want[key], (key, got, want)
+
+
+@pytest.mark.parametrize("backend", by_name("flash", "flex"))
+def test_training_is_bit_for_bit_repeatable_across_key_blocks(backend):
+    """What --resume's bit-for-bit promise rests on: the same steps from the same weights give the same weights.
+    At 1,024 tokens (8 key blocks of 128), where a backward that adds up dQ with atomics in a varying order
+    would differ: flash-attn is asked for its deterministic backward; FlexAttention's has no atomics. SDPA's
+    kernels make no such promise on CUDA (docs/gpu.md)."""
+    def train_steps():
+        model = tiny_model().to(CUDA).train()
+        model.backend = backend
+        optimizer = train.AdamW(model.param_groups(), 1e-3)
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):
+            ids = torch.randint(0, 256, (2, 1024), generator=g)
+            labels = torch.where(torch.rand(2, 1024, generator=g) < 0.3, ids, IGNORE_INDEX)
+            with autocast(CUDA):
+                model(ids.to(CUDA), labels=labels, causal=step == 1)[1].backward()
+            optimizer.step(1e-3)
+            model.zero_grad(set_to_none=True)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    first, second = train_steps(), train_steps()
+    differ = {n: (first[n] - second[n]).abs().max().item() for n in first if not torch.equal(first[n], second[n])}
+    assert not differ, f"{backend}: {len(differ)} of {len(first)} tensors differ between two runs: {differ}"
+
+
 # ----------------------------------------------------------------------------
 # Parity with transformers
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional-padded", "causal"])
-def test_parity_with_transformers_on_the_gpu(tmp_path, causal):
-    """Our model (FlexAttention, the default on CUDA) and ModernBertForMaskedLM (SDPA) on the same weights:
-    logits and loss equal in fp32 and within bf16's rounding under autocast. transformers has no causal mode:
-    it takes the causal masks explicitly, as bench.py gives them."""
+@pytest.mark.parametrize("backend", by_name(*BACKENDS))
+def test_parity_with_transformers_on_the_gpu(tmp_path, backend, causal):
+    """Our model with each backend and ModernBertForMaskedLM (SDPA) on the same weights: logits and loss equal in
+    fp32 (where the backend computes fp32: flash-attn does not) and within bf16's rounding under autocast.
+    transformers has no causal mode: it takes the causal masks explicitly, as bench.py gives them."""
     from test_model import SHAPES, hf_checkpoint, padded_batch
     hf = hf_checkpoint(tmp_path, SHAPES[0]).to(CUDA)  # norms and biases perturbed, so that they count
-    ours = ModernBERT.from_pretrained(str(tmp_path)).to(CUDA).eval()
+    ours = ModernBERT.from_pretrained(str(tmp_path), backend=backend).to(CUDA).eval()
+    fp32 = BACKENDS[backend].computes(CUDA, torch.float32)
     ids, mask = padded_batch(300, T=T, lengths=(T, T, T) if causal else (T, 180, 37))
     labels = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.3, ids, IGNORE_INDEX)
     labels[mask == 0] = IGNORE_INDEX
@@ -311,16 +374,18 @@ def test_parity_with_transformers_on_the_gpu(tmp_path, causal):
     out = {}
     for bf16 in (False, True):
         with torch.no_grad(), autocast(CUDA) if bf16 else contextlib.nullcontext():
-            out["ours", bf16] = ours(ids, None if causal else mask, causal=causal)[0].float()[real], \
-                ours(ids, None if causal else mask, labels=labels, causal=causal)[1].item()
+            if bf16 or fp32:
+                out["ours", bf16] = ours(ids, None if causal else mask, causal=causal)[0].float()[real], \
+                    ours(ids, None if causal else mask, labels=labels, causal=causal)[1].item()
             hf_out = hf(input_ids=ids, attention_mask=hf_mask, labels=labels.to(CUDA))
             out["hf", bf16] = hf_out.logits.float()[real], hf_out.loss.item()
     scale = out["hf", False][0].abs().max().item()
-    fp32 = (out["ours", False][0] - out["hf", False][0]).abs().max().item()
-    # the same computation, as on a CPU (tests/test_model.py); this is the check that sees a wrong mask: without
-    # its padding mask transformers' logits move by 0.8% of the largest (5e-3 here, measured on a CPU)
-    assert fp32 <= 1e-4 * max(1.0, scale), fp32
-    assert abs(out["ours", False][1] - out["hf", False][1]) <= 1e-5 * out["hf", False][1]
+    if fp32:
+        error = (out["ours", False][0] - out["hf", False][0]).abs().max().item()
+        # the same computation, as on a CPU (tests/test_model.py); this is the check that sees a wrong mask:
+        # without its padding mask transformers' logits move by 0.8% of the largest (5e-3 here, measured on a CPU)
+        assert error <= 1e-4 * max(1.0, scale), error
+        assert abs(out["ours", False][1] - out["hf", False][1]) <= 1e-5 * out["hf", False][1]
     # in bf16 both round; ours may differ from transformers by a few roundings of the largest logit
     bf16 = (out["ours", True][0] - out["hf", True][0]).abs().max().item()
     assert bf16 <= 2e-2 * scale, (bf16, scale)
@@ -373,12 +438,29 @@ def syncs_are_errors():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@contextlib.contextmanager
+def counted_syncs():
+    """The CUDA calls inside the block that make the host wait for the device, as a list of warnings."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("separate_documents", [False, True], ids=["across-documents", "separate-documents"])
-def test_training_step_waits_for_the_gpu_only_where_documented(separate_documents):
+@pytest.mark.parametrize("backend", by_name(*BACKENDS))
+def test_training_step_waits_for_the_gpu_only_where_documented(backend, separate_documents):
     """train.py's step: ids copied from pinned memory without waiting, labels on the host, bf16 forward,
     backward, gradient clipping, AdamW. Its one documented sync is the .tolist() of the logged loss and
-    gradient norm, once per step; nothing else in the step may wait for the GPU."""
+    gradient norm, once per step; nothing else in the step may wait for the GPU, but for flash-attn's two with
+    documents, documented in machinery/kernels.py: each document is a varlen sequence, so their count (a
+    nonzero) and the longest (an int) are read on the host."""
     model = tiny_model().to(CUDA).train()
+    model.backend = backend
+    documented = 2 if backend == "flash" and separate_documents else 0
     params = list(model.parameters())
     optimizer = train.AdamW(model.param_groups(), 1e-3)
     g, sep = torch.Generator().manual_seed(0), BYTE_IDS["sep_token_id"]
@@ -403,8 +485,13 @@ def test_training_step_waits_for_the_gpu_only_where_documented(separate_document
         forward_backward(0.3, causal).tolist()
         update()
     for rate, causal in ((0.15, False), (0.5, True), (0.4, False)):  # a new number of labels every step
-        with syncs_are_errors():
-            shared = forward_backward(rate, causal)
+        if documented:
+            with counted_syncs() as syncs:
+                shared = forward_backward(rate, causal)
+            assert sum("synchroniz" in str(w.message) for w in syncs) == documented, [str(w.message) for w in syncs]
+        else:
+            with syncs_are_errors():
+                shared = forward_backward(rate, causal)
         loss, norm = shared.tolist()  # the documented sync
         with syncs_are_errors():
             update()

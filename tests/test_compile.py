@@ -1,0 +1,204 @@
+"""torch.compile of the blocks as train.py does it, run on a CPU by dynamo with backends that generate no code, so
+that the graphs, guards and recompilations are those a GPU run makes (only inductor's code generation is left
+out): the compile budget over training and both validations, and compiled blocks under DDP over gloo. Also the
+start checks that keep a run from a backend its dtype would refuse, and the peak-FLOPS table's lookup."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import bench
+import fake_flash_attn
+import train
+from conftest import ROOT, tiny_model
+from machinery import kernels, progress
+from machinery.cli import InputError
+from model import Block
+
+# A tiny run: 128-token sequences, micro-batches of 2, two steps, a validation after each (eval_sequences=3:
+# a full batch of 2 and a short one of 1, whose new batch size compiles a dynamic graph).
+RUN = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--tokens=1024",
+       "--eval_interval=1", "--eval_sequences=3", "--log_interval=1000", "--save_interval=0",
+       "--warmup_tokens=0", "--lr=1e-3", "--compile=true"]
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """The flash backend, trainable on a CPU through the test double of flash-attn."""
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
+    for check in ("available", "auto", "trains"):
+        monkeypatch.setattr(kernels.Flash, check, staticmethod(lambda device: True))
+    fake_flash_attn.determinism.clear()
+    return fake_flash_attn
+
+
+@pytest.fixture
+def default_limit():
+    """dynamo as a fresh process has it: no graphs, its default recompile limit of 8 per function."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):
+        yield
+    torch._dynamo.reset()
+
+
+def graphs_of(code):
+    """The compiled graphs dynamo keeps for a code object."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(code))
+
+
+# Graphs of Block.forward over two training steps and two validations, measured with the budget in place. With
+# dynamo's default limit of 8 every one of these runs hit it (a warning, then eager blocks for the rest).
+GRAPHS = {("sdpa", "mlm", False): 13, ("sdpa", "clm", False): 13, ("sdpa", "mlm", True): 9,
+          ("sdpa", "clm", True): 9, ("flash", "mlm", False): 9, ("flash", "clm", False): 9,
+          ("flash", "mlm", True): 9, ("flash", "clm", True): 9}
+
+
+def budget_cases():
+    """Each CPU-trainable backend (FlexAttention has no CPU backward: the GPU suite's), training phase and mask
+    kind; one run per backend by default, each phase and mask kind once, the rest with -m slow (25 s a run)."""
+    for backend, phase, separate in GRAPHS:
+        slow = (backend, phase, separate) not in (("sdpa", "clm", False), ("flash", "mlm", True))
+        yield pytest.param(backend, phase, separate, marks=[pytest.mark.slow] * slow,
+                           id=f"{backend}-{phase}-{'separate' if separate else 'across'}-documents")
+
+
+@pytest.mark.parametrize("backend, phase, separate_documents", budget_cases())
+def test_a_run_compiles_within_its_budget(backend, phase, separate_documents, demo_corpus, tmp_path, monkeypatch,
+                                          default_limit, request):
+    """train.py with compiled blocks: training steps, then MLM and CLM validation, each block kind in each mode,
+    with a full and a short validation batch. Every graph fits the budget compile_blocks gives dynamo: a run
+    that passed it would stop here (fail_on_recompile_limit_hit) where a real one warns and runs eager."""
+    if backend == "flash":
+        request.getfixturevalue("fake_flash")
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+    monkeypatch.setitem(train.COMPILERS, "cpu", counter)
+    flags = [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", f"--phase={phase}", f"--backend={backend}",
+             f"--separate_documents={separate_documents}", *RUN]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        train.main(flags)
+    graphs = graphs_of(Block.forward.__code__)
+    print(f"{backend} {phase} separate_documents={separate_documents}: Block.forward {graphs} graphs, "
+          f"{counter.frame_count} frames in all, limit {torch._dynamo.config.recompile_limit}")
+    assert graphs == GRAPHS[backend, phase, separate_documents] and graphs <= torch._dynamo.config.recompile_limit
+    assert torch._dynamo.config.recompile_limit == 3 * 3 * 2  # block kinds x modes x (static, dynamic)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert sum("val_clm" in r for r in records) == 2  # both validations ran, after each step
+
+
+# ----------------------------------------------------------------------------
+# Compiled blocks under DDP
+
+
+def torchrun(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "compiled_train.py"), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow  # two launches of 2 processes, one of them tracing every graph: about a minute on 2 cores
+def test_compiled_blocks_under_ddp_equal_eager_ones(demo_corpus, tmp_path):
+    """2 gloo processes x 2 accumulation steps (gradients all-reduced on the last only), blocks compiled by
+    dynamo and AOTAutograd (aot_eager: the same PyTorch kernels on the traced graphs) against eager blocks: the
+    same arithmetic in the same order, so the same weights and losses, bit for bit."""
+    flags = [f"--data={demo_corpus}", "--phase=mlm", "--preset=tiny", "--seq_len=128", "--batch_size=8",
+             "--micro_batch_size=2", "--tokens=3072", "--eval_interval=3", "--eval_sequences=3",
+             "--save_interval=0", "--warmup_tokens=0", "--lr=1e-3", "--dropout=0.1"]
+    out = {}
+    for compiled in (True, False):
+        out[compiled] = tmp_path / f"compile-{compiled}"
+        printed = torchrun("aot_eager", *flags, f"--compile={compiled}", f"--out_dir={out[compiled]}")
+        assert "2 micro x 2 accumulation x 2 process(es)" in printed
+        assert f"blocks {'compiled by aot_eager' if compiled else 'eager'}" in printed
+    want, got = load_file(out[False] / "model.safetensors"), load_file(out[True] / "model.safetensors")
+    differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ from the eager run: {differ}"
+    logs = [[json.loads(line) for line in open(out[c] / "log.jsonl")] for c in (True, False)]
+    keys = ("loss", "grad_norm", "val_mlm", "val_clm")
+    assert [[r.get(k) for k in keys] for r in logs[0]] == [[r.get(k) for k in keys] for r in logs[1]]
+
+
+# ----------------------------------------------------------------------------
+# Backends a configuration refuses: never auto's pick, refused at start when asked for
+
+
+def test_auto_never_picks_a_backend_that_refuses_the_dtype(fake_flash):
+    """On CUDA with flash-attn installed (faked here): auto picks flash where the blocks compute in bf16, and
+    FlexAttention in fp32, which flash-attn's kernels do not take; flash asked for by name in fp32 is refused."""
+    cuda = torch.device("cuda")
+    assert kernels.pick_backend(cuda, "auto", training=True, dtype=torch.bfloat16) == "flash"
+    assert kernels.pick_backend(cuda, "auto", training=True, dtype=torch.float32) == "flex"
+    with pytest.raises(InputError, match=r"'flash' cannot compute in float32 on cuda .* --dtype=bfloat16"):
+        kernels.pick_backend(cuda, "flash", dtype=torch.float32)
+    cpu = torch.device("cpu")  # the double computes fp32 on a CPU, as the flash tests there need
+    assert kernels.pick_backend(cpu, "flash", dtype=torch.float32) == "flash"
+    with torch.autocast("cpu", torch.bfloat16):  # the dtype autocast gives, when none is named
+        assert kernels.compute_dtype(cpu) == torch.bfloat16
+    assert kernels.compute_dtype(cpu) == torch.float32
+
+
+def test_flash_in_float32_is_refused_before_any_data_is_read(fake_flash, monkeypatch, tmp_path, capsys):
+    """--backend=flash --dtype=float32 on a GPU (faked): one line naming both flags, before the data (which does
+    not exist here) is read or a run directory is made; --backend=auto gets past the same check to the data."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(train, "init_processes", lambda given: (0, 1, 1, cuda))
+    monkeypatch.setattr("machinery.cli.pick_device", lambda requested, *args, **kwargs: cuda)
+    flags = [f"--data={tmp_path / 'missing'}", "--backend=flash", "--preset=tiny", "--seq_len=128",
+             "--batch_size=4", "--tokens=1024"]
+    with pytest.raises(InputError, match=r"^--backend=flash: .*float32.*--dtype=bfloat16") as refused:
+        train.main([*flags, "--dtype=float32", f"--out_dir={tmp_path / 'run'}"])
+    assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
+    auto = [f if f != "--backend=flash" else "--backend=auto" for f in flags]
+    with pytest.raises(InputError, match="missing"):  # auto picks another backend: the data is the next complaint
+        train.main([*auto, "--dtype=float32", f"--out_dir={tmp_path / 'run2'}"])
+
+
+def test_flash_asks_for_a_deterministic_backward(fake_flash):
+    """--resume's bit-for-bit promise needs flash-attn's deterministic backward (its default adds dQ up with
+    atomics in a varying order)."""
+    model = tiny_model().train()
+    model.backend = "flash"
+    ids = torch.randint(0, 256, (2, 64))
+    model(ids, labels=ids)[1].backward()
+    assert fake_flash.determinism and all(fake_flash.determinism)
+
+
+# ----------------------------------------------------------------------------
+# MFU's peak, and bench.py's peak memory
+
+
+def test_peak_flops_tells_the_h100_boards_apart():
+    """Device names as torch.cuda.get_device_name reports them: the SXM H100 and the H200 share a peak, the
+    PCIe and NVL boards have lower clocks (and NVL is two boards' name for one GPU each)."""
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA GeForce RTX 4090": None}
+    assert {name: progress.peak_of(name) for name in names} == names
+    assert all(progress.peak_of(key) == peak for key, peak in progress.PEAK_FLOPS.items())  # none shadowed
+
+
+def test_bench_peak_memory_leaves_out_the_warm_up(monkeypatch):
+    """bench.interleaved on a fake CUDA device: a warm-up step that allocates 100 (compilation, autotuning) and
+    timed steps that allocate 10 report 10."""
+    state = dict(peak=0)
+    fake = types.SimpleNamespace(synchronize=lambda device: None, max_memory_allocated=lambda device: state["peak"],
+                                 reset_peak_memory_stats=lambda device: state.update(peak=0))
+    monkeypatch.setattr(torch, "cuda", fake)
+    monkeypatch.setattr(bench, "allocated", lambda device: 0)
+    calls = []
+
+    def step():
+        calls.append(1)
+        state["peak"] = 100 if len(calls) <= 2 else 10
+
+    (seconds, memory), = bench.interleaved([step], types.SimpleNamespace(type="cuda"), warmup=2, repeats=3)
+    assert len(calls) == 5 and memory == 10
