@@ -6,7 +6,8 @@ Hugging Face's, so a checkpoint is a plain state dict that transformers loads as
 
 The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
 changes only which keys each query may see. Global layers see every key (j <= i when causal); local
-layers see |i - j| <= 64 (i - 64 <= j <= i when causal).
+layers see |i - j| <= 64 (i - 64 <= j <= i when causal). `mask_rule` below writes that rule out and
+`reference_attention` the attention it masks.
 
 Behind the model, in machinery/ (a reader may skip them): kernels.py, the attention backends
 (flash-attn, FlexAttention, SDPA: the same attention, computed faster) and the fused decoder +
@@ -120,6 +121,47 @@ def rope_cos_sin(positions, head_dim, theta):
 def apply_rope(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     return (x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Attention, written out: which keys a query may see, then softmax(q k^T / sqrt(D)) v over them. MLM and CLM
+# differ here only, in `causal`. machinery/kernels.py computes the same attention faster (SDPA and FlexAttention
+# with this rule as their mask, flash-attn with it as sequence lengths and a window) and picks the fastest the
+# device has; backend="reference" runs this one, and tests/test_backends.py holds every backend equal to it.
+
+
+def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
+    """keep(b, h, i, j) -> bool: may query i of sequence b see key j (in any head h). The indices may be tensors
+    that broadcast: the reference asks for a whole (B, T, T) mask at once, FlexAttention for one pair at a time.
+    token_mask (B, T) marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart (None:
+    attention crosses document boundaries, as in ModernBERT's pretraining)."""
+
+    def keep(b, h, i, j):
+        see = j == j  # bidirectional (MLM): every key
+        if causal:
+            see = see & (j <= i)  # CLM: a key may be seen only if it is not after the query
+        if local:
+            see = see & ((i - j).abs() <= window)  # a local layer: window keys each side (causal: behind only)
+        if doc_ids is not None:
+            see = see & (doc_ids[b, i] == doc_ids[b, j])  # its own document only
+        if token_mask is not None:
+            see = see & token_mask[b, j]  # padding is never seen
+        # Every query sees itself, so a padding query never has an empty row: its softmax would be NaN, and
+        # 0 * NaN would leak into later layers. A real token sees itself anyway.
+        return see | (i == j)
+
+    return keep
+
+
+def reference_attention(q, k, v, keep):
+    """q, k, v (B, T, H, D) -> (B, T, H, D): softmax(q k^T / sqrt(D)) v over the keys `keep` allows."""
+    B, T, H, D = q.shape
+    b, i = torch.arange(B, device=q.device), torch.arange(T, device=q.device)
+    see = keep(b[:, None, None], None, i[None, :, None], i[None, None, :])  # (B or 1, T, T): query i, key j
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, T, T)
+    scores = scores.masked_fill(~see[:, None], float("-inf"))  # a key it may not see weighs exp(-inf) = 0
+    return (scores.softmax(-1) @ v).transpose(1, 2)  # (B, H, T, D) -> (B, T, H, D)
 
 
 # -----------------------------------------------------------------------------

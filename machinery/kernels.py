@@ -1,6 +1,6 @@
 """The attention backends (flash-attn varlen, FlexAttention, SDPA) behind one small interface, and the fused
 linear cross-entropy: how model.py's attention and loss run fast on a GPU. A reader of the recipe may skip
-this file: SDPA and F.cross_entropy compute the same numbers."""
+this file: model.py's reference_attention and F.cross_entropy compute the same numbers."""
 import functools
 
 import torch
@@ -20,39 +20,26 @@ except ImportError:
 IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and transformers
 
 # -----------------------------------------------------------------------------
-# Attention backends. BACKENDS, at the end of this section, is the one table of their names. One is built
-# per forward from the batch's layout and shared by every layer:
+# Attention backends: model.py's attention (mask_rule, reference_attention), the same attention computed faster.
+# BACKENDS, at the end of this section, is the one table of their names. One is built per forward from the
+# batch's layout and shared by every layer:
 #   positions  (P,) the position of each row the blocks see, for RoPE
 #   unpad(x)   (B, T, d) -> the layout the blocks run in
 #   attend(q, k, v, local)  q, k, v (..., H, D) in that layout -> (..., H, D)
 #   repad(x)   the blocks' layout -> (B, T, d), padding rows zero
 # token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart
-# when given (None: attention crosses document boundaries, as in ModernBERT's pretraining).
+# when given (None: attention crosses document boundaries). Which key a query may see is model.mask_rule's to say.
 
 
 def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
-    """keep(b, h, q, k) -> bool: may query q see key k. Written once for dense masks (b=None: every row) and
-    for FlexAttention (scalar indices)."""
-
-    def keep(b, h, q, k):
-        ok = torch.ones_like(q == k)
-        if causal:
-            ok = ok & (k <= q)
-        if local:
-            ok = ok & ((q - k).abs() <= window)
-        if token_mask is not None:
-            ok = ok & (token_mask[:, None, :] if b is None else token_mask[b, k])
-        if doc_ids is not None:
-            ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :] if b is None else doc_ids[b, q] == doc_ids[b, k])
-        # Every query keeps itself, so padding rows never see an empty set (NaN that would leak
-        # into later layers through 0 * NaN); real tokens always see themselves anyway.
-        return ok | (q == k)
-
-    return keep
+    """model.py's rule of which keys a query may see, as keep(b, h, i, j). model.py imports this file: its rule is
+    taken when called."""
+    import model
+    return model.mask_rule(causal, window, local, token_mask, doc_ids)
 
 
 class SDPA:
-    """PyTorch scaled_dot_product_attention with dense boolean masks: runs anywhere, the reference."""
+    """PyTorch scaled_dot_product_attention with dense boolean masks: runs anywhere."""
     description = ("PyTorch scaled_dot_product_attention with dense masks "
                    "(flash-attn and FlexAttention are used on CUDA)")
     needs = "nothing"
@@ -81,9 +68,11 @@ class SDPA:
         """(B or 1, 1, T, T) bool, or None where SDPA's own (causal) kernel needs no mask."""
         if token_mask is None and doc_ids is None and not local:
             return None
+        per_row = token_mask if token_mask is not None else doc_ids
+        b = torch.arange(1 if per_row is None else per_row.shape[0], device=device)
         i = torch.arange(T, device=device)
         keep = mask_rule(causal, window, local, token_mask, doc_ids)
-        return keep(None, None, i[:, None], i[None, :]).view(-1, 1, T, T)
+        return keep(b[:, None, None], None, i[None, :, None], i[None, None, :]).view(-1, 1, T, T)
 
     def unpad(self, x):
         return x
@@ -128,6 +117,24 @@ class Flex(SDPA):
         # eager on a CPU, where it serves the tests and inference only (it has no CPU backward)
         attend = compiled(flex_attention, dynamic=False) if q.is_cuda else flex_attention
         return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
+
+
+class Reference(SDPA):
+    """model.py's reference_attention on SDPA's layout: every (B, H, T, T) score and the whole mask materialised.
+    Slow and obvious: what the other backends are tested against; auto never picks it."""
+    description = "model.py's reference_attention: every score materialised (slow; for tests and for reading)"
+
+    @staticmethod
+    def auto(device):
+        return False
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+        from model import reference_attention  # model.py imports this file: take it when called
+        self.shape, self.positions, self.attention = (B, T), torch.arange(T, device=device), reference_attention
+        self.keep = {local: mask_rule(causal, window, local, token_mask, doc_ids) for local in (False, True)}
+
+    def attend(self, q, k, v, local):
+        return self.attention(q, k, v, self.keep[local])
 
 
 # shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)
@@ -215,7 +222,8 @@ class Flash:
 # flash-attn 3 (the flash_attn_interface module, Hopper kernels) is not used: it is built from source, its varlen
 # function changed what it returns and takes between releases, and no Hopper GPU has run it against the SDPA
 # reference here; flash-attn 2 runs on Hopper too, and the tests pin its documented interface.
-BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA}  # "auto" picks the first available, in this order
+# "auto" picks the first available, in this order (never the reference)
+BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA, "reference": Reference}
 BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
 
 

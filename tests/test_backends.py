@@ -1,6 +1,6 @@
-"""The GPU attention paths run on a CPU: flash-attn through a test double of its documented interface, FlexAttention
-forward (it has no CPU backward in torch 2.13), each against the SDPA backend; and torch.compile of the blocks
-without recompilation during training."""
+"""Every attention backend equals model.py's reference attention, and the GPU paths run on a CPU: flash-attn through a
+test double of its documented interface, FlexAttention forward (it has no CPU backward in torch 2.13), each against
+the reference and the SDPA backend; and torch.compile of the blocks without recompilation during training."""
 import pytest
 import torch
 
@@ -30,6 +30,88 @@ def fake_flash(monkeypatch):
     monkeypatch.setattr(kernels.Flash, "available", staticmethod(lambda device: True))
     fake_flash_attn.calls.clear()
     return fake_flash_attn.calls
+
+
+# --- every backend against the reference ----------------------------------------------------------------------
+
+WINDOW = 24  # a local layer's reach on each side, well inside T = 200, so that local and global layers differ
+# (padded, separate documents): full rows or padded ones; attention across packed documents or within each
+LAYOUTS = [pytest.param(padded, docs, id=f"{'padded' if padded else 'full'}-{'separate' if docs else 'across'}")
+           for padded in (False, True) for docs in (False, True)]
+
+
+def attention_case(padded, separate_docs, device="cpu", B=3, T=200, H=4, D=32):
+    """(q, k, v) (B, T, H, D) fp32 on `device`, token_mask (None: no padding), doc_ids (None: attention crosses
+    documents) and the gradient of the output a test backpropagates: rows of 200, 150 and 37 real tokens, packed
+    documents of 50 tokens."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, out_grad = (torch.randn(B, T, H, D, generator=g).to(device) for _ in range(4))
+    token_mask = (torch.arange(T)[None, :] < torch.tensor([200, 150, 37])[:, None]).to(device) if padded else None
+    doc_ids = (torch.arange(T)[None].expand(B, T) // 50).to(device) if separate_docs else None
+    return (q, k, v), token_mask, doc_ids, out_grad
+
+
+def attend(name, qkv, causal, local, token_mask, doc_ids, out_grad=None, dtype=torch.float32):
+    """One layer's attention through the backend `name`, in `dtype`: the output on the real tokens (B*T real,
+    H*D) in fp32, and (with out_grad) the gradients of q, k and v, fp32, backpropagated from the real tokens."""
+    B, T = qkv[0].shape[:2]
+    attn = kernels.BACKENDS[name](B, T, qkv[0].device, causal, WINDOW, token_mask, doc_ids)
+    leaves = [t.detach().to(dtype).requires_grad_(out_grad is not None) for t in qkv]  # fresh leaves, fresh grads
+    out = attn.repad(attn.attend(*(attn.unpad(t) for t in leaves), local).flatten(-2))  # (B, T, H*D)
+    real = torch.ones(B, T, dtype=torch.bool, device=out.device) if token_mask is None else token_mask
+    if out_grad is None:
+        return out.detach().float()[real], None
+    out[real].backward(out_grad.flatten(-2)[real].to(dtype))
+    return out.detach().float()[real], [t.grad.float() for t in leaves]
+
+
+def largest_difference(got, want):
+    """(the largest difference of the outputs, of the gradients (0 where `got` has none))."""
+    (out, grads), (ref_out, ref_grads) = got, want
+    return (out - ref_out).abs().max().item(), max([(a - b).abs().max().item() for a, b in zip(grads or [], ref_grads)],
+                                                    default=0.0)
+
+
+@pytest.mark.parametrize("padded, separate_docs", LAYOUTS)
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_every_backend_equals_the_reference_attention(fake_flash, causal, local, padded, separate_docs):
+    """SDPA and flash-attn (its double) forward and backward, FlexAttention forward (no CPU backward), against
+    model.reference_attention on one layer: outputs on the real tokens and the gradients of q, k and v equal to
+    fp32 rounding (seen: 3.1e-6 at most, gradients up to 5 in size). The other mode's reference is far outside
+    that: a wrong mask shows."""
+    qkv, token_mask, doc_ids, out_grad = attention_case(padded, separate_docs)
+    want = attend("reference", qkv, causal, local, token_mask, doc_ids, out_grad)
+    for name in ("sdpa", "flash", "flex"):
+        got = attend(name, qkv, causal, local, token_mask, doc_ids, None if name == "flex" else out_grad)
+        out_error, grad_error = largest_difference(got, want)
+        assert out_error <= 1e-5 and grad_error <= 1e-5, (name, out_error, grad_error)
+    wrong = attend("reference", qkv, not causal, local, token_mask, doc_ids, out_grad)
+    assert min(largest_difference(wrong, want)) > 0.1
+
+
+def test_the_reference_backend_runs_the_whole_model_as_sdpa_does():
+    """backend="reference" through the model, padded and causal with separate documents: the logits on the real
+    tokens, the loss and every parameter's gradient those of SDPA."""
+    model = tiny_model().train()
+    ids, mask, labels, docs = padded_batch()
+    want = run(model, "sdpa", ids, mask, labels, True, docs)
+    got = run(model, "reference", ids, mask, labels, True, docs)
+    assert (got[0] - want[0]).abs().max().item() <= 1e-4 and abs(got[1].item() - want[1].item()) <= 1e-5
+    assert max((got[2][n] - g).abs().max().item() for n, g in want[2].items()) <= 1e-5
+
+
+def test_auto_never_picks_the_reference():
+    """It is chosen by name only, trains anywhere, and goes through the same checks as any backend."""
+    for device in (torch.device("cpu"), torch.device("cuda"), torch.device("meta")):
+        assert not kernels.BACKENDS["reference"].auto(device)
+    cpu = torch.device("cpu")
+    assert kernels.pick_backend(cpu, "reference", training=True) == "reference" != kernels.pick_backend(cpu)
+    with pytest.raises(InputError, match="expected auto, flash, flex, sdpa, reference"):
+        kernels.pick_backend(cpu, "referense")
+
+
+# --- flash-attn and FlexAttention against SDPA through the model -------------------------------------------------
 
 
 def run(model, backend, ids, mask, labels, causal, docs):

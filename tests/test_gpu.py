@@ -1,8 +1,9 @@
 """The GPU acceptance suite, `python -m pytest -m gpu` (`python bench.py gpu-report` runs it and writes its
-results to one file): every CUDA path of the recipe, each test asserting numbers. bf16 autocast training with
-each attention backend against an fp32 reference, compiled blocks against eager ones, the trainer's command
-line under torchrun (NCCL), parity with transformers, the activation-memory prediction against the CUDA
-allocator, and the host syncs of a training step. Without CUDA every test is collected and skipped.
+results to one file): every CUDA path of the recipe, each test asserting numbers. FlexAttention and flash-attn
+against model.py's reference attention, bf16 autocast training with each attention backend against an fp32
+reference, compiled blocks against eager ones, the trainer's command line under torchrun (NCCL), parity with
+transformers, the activation-memory prediction against the CUDA allocator, and the host syncs of a training step.
+Without CUDA every test is collected and skipped.
 
 Tolerances, stated once. bf16 keeps 8 significant bits: one rounding errs by up to 2^-8 = 0.4% of the value,
 and a value passes through about ten rounded matmuls and casts between the embeddings and the loss. A mean
@@ -34,6 +35,7 @@ import train
 from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
 from machinery.cli import autocast
 from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig, read_config
+from test_backends import LAYOUTS, attend, attention_case, largest_difference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 FLASH = importlib.util.find_spec("flash_attn") is not None
@@ -111,6 +113,34 @@ def assert_close_in_bf16(got, want, what, loss_rtol=LOSS_RTOL):
     for name, ref in ref_grads.items():
         c, ratio = cosine(grads[name], ref), (grads[name].norm() / ref.norm()).item()
         assert c > MIN_COSINE and abs(ratio - 1) < NORM_RTOL, f"{what}: {name}: cosine {c:.5f}, norm ratio {ratio:.4f}"
+
+
+# ----------------------------------------------------------------------------
+# The fast attention equals model.py's reference
+
+
+@pytest.mark.parametrize("padded, separate_docs", LAYOUTS)
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", by_name("flex", "flash"))
+def test_fast_attention_equals_the_reference_on_the_gpu(backend, causal, local, padded, separate_docs):
+    """One layer's attention, forward and backward, against model.reference_attention in fp32 on the same inputs,
+    as tests/test_backends.py does on a CPU: compiled FlexAttention in fp32 to fp32 rounding (1e-5); flash-attn,
+    which takes bf16 only, on inputs rounded to bf16, within 2% of the largest output and gradient (one bf16
+    rounding is 0.4%; a wrong mask moves the outputs by more than their largest value)."""
+    qkv, token_mask, doc_ids, out_grad = attention_case(padded, separate_docs, CUDA)
+    dtype = torch.float32 if BACKENDS[backend].computes(CUDA, torch.float32) else torch.bfloat16
+    qkv, out_grad = [t.to(dtype).float() for t in qkv], out_grad.to(dtype).float()  # what the backend sees, exactly
+    want = attend("reference", qkv, causal, local, token_mask, doc_ids, out_grad)
+    got = attend(backend, qkv, causal, local, token_mask, doc_ids, out_grad, dtype)
+    out_error, grad_error = largest_difference(got, want)
+    out_scale, grad_scale = want[0].abs().max().item(), max(g.abs().max().item() for g in want[1])
+    if dtype == torch.float32:
+        assert out_error <= 1e-5 and grad_error <= 1e-5, (out_error, grad_error)
+    else:
+        assert out_error <= 2e-2 * out_scale and grad_error <= 2e-2 * grad_scale, (out_error, grad_error)
+    wrong = attend("reference", qkv, not causal, local, token_mask, doc_ids, out_grad)
+    assert largest_difference(wrong, want)[0] > out_scale / 2
 
 
 # ----------------------------------------------------------------------------
