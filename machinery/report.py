@@ -190,7 +190,8 @@ def needle_markdown(r, names=None):
              f"right before the query with no haystack (its best case). % with a 95% interval over the examples "
              f"(exact match: Wilson; token accuracy: t)"
              + ("; for an arm of several replicates, their mean with a t interval over the replicates (pretraining "
-                "noise: the examples are the same for each)." if replicated else "."), ""]
+                "noise: the examples are the same for each), 0 wide where they agree: each replicate's interval "
+                "over the examples is in the JSON." if replicated else "."), ""]
     columns = r["columns"]
     head = "| model | length | " + " | ".join(f"{c}%" if c.isdigit() else c for c in columns) + " |"
     for key, what in (("exact", "exact match of the whole value"), ("token", "token accuracy")):
