@@ -1042,14 +1042,23 @@ def needle_cell(hits):
 
 
 def replicates_cell(cells):
-    """An arm's cell: the mean over its replicates with a 95% t interval over them (pretraining noise; the
-    examples are the same for every replicate), cut to [0, 1]; one replicate's own cell when alone."""
+    """An arm's cell: the mean over its replicates with a 95% interval over every unit it rests on (eval.interval:
+    the replicates' spread, pretraining noise, and a bootstrap of the examples, the same for every replicate), cut
+    to [0, 1]. Exact match's interval also holds the Wilson interval of the examples' means over replicates: where
+    every replicate misses (or fills) every example, the spread is 0 but n examples still bound the rate. One
+    replicate: its own cell."""
     if len(cells) == 1:
         return {k: v for k, v in cells[0].items() if not k.endswith("_each")}
     out = dict(n=cells[0]["n"], replicates=len(cells))
     for key in ("exact", "token"):
-        mean, low, high = t_interval([c[key] for c in cells])
-        out.update({key: mean, f"{key}_low": max(0.0, low), f"{key}_high": min(1.0, high)})
+        each = np.array([c[f"{key}_each"] for c in cells], np.float64)  # (R, N)
+        counts = np.stack([each, np.ones_like(each)], -1)[:, None]  # (R, 1, N, 2): a score and 1 per example
+        iv = interval(lambda totals: totals[..., 0] / totals[..., 1], counts)
+        low, high = iv["low"], iv["high"]
+        if key == "exact":
+            w_low, w_high = wilson(each.mean(0).sum(), each.shape[1])
+            low, high = min(low, w_low), max(high, w_high)
+        out.update({key: iv["mean"], f"{key}_low": max(0.0, low), f"{key}_high": min(1.0, high)})
     return out
 
 

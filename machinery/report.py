@@ -189,9 +189,10 @@ def needle_markdown(r, names=None):
              f"100% right after [CLS]). Controls: no needle (what the model guesses from priors) and the needle "
              f"right before the query with no haystack (its best case). % with a 95% interval over the examples "
              f"(exact match: Wilson; token accuracy: t)"
-             + ("; for an arm of several replicates, their mean with a t interval over the replicates (pretraining "
-                "noise: the examples are the same for each), 0 wide where they agree: each replicate's interval "
-                "over the examples is in the JSON." if replicated else "."), ""]
+             + ("; for an arm of several replicates, their mean with an interval over the replicates (pretraining "
+                "noise) and the examples (a bootstrap; exact match's also holds the Wilson interval of the examples' "
+                "means over replicates, so that an arm that misses everything is not certain of 0)."
+                if replicated else "."), ""]
     columns = r["columns"]
     head = "| model | length | " + " | ".join(f"{c}%" if c.isdigit() else c for c in columns) + " |"
     for key, what in (("exact", "exact match of the whole value"), ("token", "token accuracy")):

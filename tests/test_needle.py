@@ -147,6 +147,22 @@ def test_wilson_interval_matches_scipy(k, n):
     assert ev.wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 
+def test_an_arm_that_misses_everything_is_not_certain_of_zero():
+    """Three replicates that each miss all 30 examples: the spread is 0, yet 30 examples bound the rate at the
+    Wilson interval of 0 in 30, not at [0, 0]; where replicates differ, the interval is eval.interval's."""
+    zeros = [ev.needle_cell([[0, 0, 0]] * 30) for _ in range(3)]
+    cell = ev.replicates_cell(zeros)
+    assert cell["exact"] == 0 and cell["exact_low"] == 0
+    assert cell["exact_high"] == pytest.approx(ev.wilson(0, 30)[1]) and cell["exact_high"] > 0.11
+    rng = np.random.default_rng(0)
+    hits = [[[int(rng.random() < p)] * 2 for _ in range(40)] for p in (0.3, 0.5, 0.6)]
+    cell = ev.replicates_cell([ev.needle_cell(h) for h in hits])
+    each = np.array([[all(x) for x in h] for h in hits], np.float64)
+    iv = ev.interval(lambda t: t[..., 0] / t[..., 1], np.stack([each, np.ones_like(each)], -1)[:, None])
+    assert cell["exact"] == pytest.approx(each.mean()) and cell["exact_high"] == pytest.approx(min(1, iv["high"]))
+    assert cell["exact_low"] == pytest.approx(max(0, min(iv["low"], ev.wilson(each.mean(0).sum(), 40)[0])))
+
+
 def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_path, monkeypatch):
     def loaded(info, device):
         raise AssertionError("a model was loaded")
