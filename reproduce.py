@@ -61,9 +61,9 @@ HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no mod
 # per arm; `ft`: eval.py finetune's flags, run once per learning rate of `lrs`; a small model fine-tunes best at a
 # larger lr than base's 5e-5; `needle`: eval.py needle at the lengths from `shortest` up to the recipe's seq_len in
 # powers of two (what the models were trained at), its depths and examples per cell. The cpu scales keep within
-# about 80-90 min of 2 idle cores each with 3 replicates: the detour's arms are half as long as with one replicate
-# (500k tokens; 1M moved every layer outside the band before), the biphasic budget B is 80 steps (200 with one
-# replicate) and its grid two learning rates and two seeds.
+# about 80-90 min of 2 idle cores each with 3 replicates (the detour's needle adds about 6 min of one core): the
+# detour's arms are half as long as with one replicate (500k tokens; 1M moved every layer outside the band before),
+# the biphasic budget B is 80 steps (200 with one replicate) and its grid two learning rates and two seeds.
 
 DETOUR = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
