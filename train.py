@@ -10,8 +10,8 @@
 A recipe names a scale (the paper's, the demo's, ...), a phase the objective and the schedule
 (RECIPE.md states the paper's numbers); flags override both. A run starts in one of four ways,
 printed at start: a fresh model; weights only (a Hugging Face checkpoint, or a run with
---weights_only); a phase hand-off from one of our runs (weights, Adam moments, step counter and data
-position); or --resume (everything, bit for bit). Importing this file has no side effects.
+--weights_only); a phase hand-off from one of our runs (weights, Adam's moments and t, data position);
+or --resume (everything, bit for bit). Importing this file has no side effects.
 """
 import dataclasses
 import math
@@ -167,14 +167,14 @@ class AdamW:
         self.moments = {name: (torch.zeros_like(p), torch.zeros_like(p))
                         for params, _ in self.groups for name, p in params}
         self.denoms = {name: torch.empty_like(m) for name, (m, _) in self.moments.items()}  # reused
-        self.steps = 0  # Adam's t, carried across phases
+        self.t = 0  # Adam's t: the updates its moments have seen, carried across phases (not a phase's step)
         self.frozen = set(frozen)
 
     @torch.no_grad()
     def step(self, lr):
-        self.steps += 1
+        self.t += 1
         beta1, beta2 = self.betas
-        bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
+        bias1, bias2 = 1 - beta1 ** self.t, 1 - beta2 ** self.t
         for params, wd in self.groups:
             live = [(p, *self.moments[n], self.denoms[n])
                     for n, p in params if n not in self.frozen and p.grad is not None]
@@ -197,7 +197,7 @@ class AdamW:
         return {f"{kind}.{name}": t for name, pair in self.moments.items()
                 for kind, t in zip(("exp_avg", "exp_avg_sq"), pair)}
 
-    def load_state_tensors(self, tensors, steps, source):
+    def load_state_tensors(self, tensors, source):
         want = set(self.state_tensors())
         if set(tensors) != want:
             raise cli.InputError(f"{source} does not match the model: missing "
@@ -206,7 +206,6 @@ class AdamW:
         for name, (m, v) in self.moments.items():
             m.copy_(tensors[f"exp_avg.{name}"])
             v.copy_(tensors[f"exp_avg_sq.{name}"])
-        self.steps = steps
 
 
 # The shape of each schedule after the warmup, at t of `total` tokens: a multiplier of the peak.
@@ -268,7 +267,28 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
 
 
 # -----------------------------------------------------------------------------
-# Where a run starts: decided, checked and printed in one place.
+# Where a run starts: decided, checked and printed in one place. There are four ways, and STARTS says what each
+# carries over from where it starts; restore() takes exactly that, and the run's first line prints it.
+
+
+@dataclass(frozen=True)
+class Carries:
+    weights: bool  # the model (else a fresh --preset model from --seed)
+    moments: bool  # Adam's first and second moments
+    adam_t: bool  # Adam's t, which its bias correction counts from
+    data_position: bool  # the next window of the data order (else its first)
+    rng: bool  # the dropout streams: with the rest, the run goes on bit for bit
+    history: bool  # the runs before it; a hand-off adds the one it continues
+    phase: bool  # this phase's step, tokens, place in its schedule and run directory: the same phase goes on
+
+
+STARTS = {  # what each of the four ways carries over
+    #                  weights moments adam_t data_position rng    history phase
+    "fresh":   Carries(False,  False,  False, False,        False, False,  False),
+    "weights": Carries(True,   False,  False, False,        False, False,  False),  # Hugging Face's, or --weights_only
+    "handoff": Carries(True,   True,   True,  True,         False, True,   False),  # the next phase of a run of ours
+    "resume":  Carries(True,   True,   True,  True,         True,  True,   True),
+}
 
 
 def start_point(given, master, world, local_world):
@@ -279,7 +299,7 @@ def start_point(given, master, world, local_world):
         how = "resume"  # everything of out_dir's newest checkpoint, bit for bit
     elif init_from == "scratch":
         how = "fresh"
-    elif RunDir.is_run(init_from):  # weights, Adam moments, step counter and data position
+    elif RunDir.is_run(init_from):  # a run of ours: a hand-off, unless its weights alone
         how = "weights" if given.get("weights_only") else "handoff"
     else:
         how = "weights"  # a Hugging Face checkpoint
@@ -307,17 +327,17 @@ def start_point(given, master, world, local_world):
                 raise cli.InputError(f"--init_from={init_from}: that run has no complete "
                                      f"checkpoint yet")
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
-        if "preset" in given and how != "fresh":  # weights keep their shape: only the checkpoint's own
+        if "preset" in given and STARTS[how].weights:  # weights keep their shape: only the checkpoint's own
             config = read_config(os.path.join(checkpoint_dir(cfg, state), "config.json"))
             flags.check_preset(given["preset"], config, cfg.init_from, PRESETS)
-        if how == "handoff":
+        if STARTS[how].data_position:  # it holds for the parent's seq_len and seeds only
             flags.check_handoff(cfg, state["config"])
         cfg.base_model = cfg.base_model or progress.base_model(cfg.init_from, state)  # the card's
     flags.check_start(cfg, how, state, Config)  # the chain of phases, checkpoint, device, backend
     flags.check(cfg, CHOICES, world)
     tracking.names(cfg.log_to)  # known and installed
     cfg.threads = cli.pick_threads(cfg.threads, local_world)
-    if master and how != "resume":
+    if master and not STARTS[how].phase:  # a new phase: a run directory of its own
         run_dir = RunDir.create(cfg.out_dir)
         run_dir.lock()
     return how, cfg, state, run_dir
@@ -333,7 +353,7 @@ def continues_schedule(cfg, parent):
 def schedule_start(cfg, how, state):
     """Tokens of the schedule already run: a hand-off that continues its parent's schedule goes on
     from where it stopped (no second warmup, one decay at the end); anything else starts it."""
-    if how == "resume":
+    if STARTS[how].phase:
         return state["schedule_tokens_done"] - state["phase_tokens"]
     if how != "handoff" or not continues_schedule(cfg, state["config"]):
         return 0
@@ -354,7 +374,7 @@ def checkpoint_dir(cfg, state):
 
 def build_model(cfg, how, state, meta, device):
     """The model, its configuration checked against the data before any weight is loaded."""
-    source = None if how == "fresh" else checkpoint_dir(cfg, state)
+    source = checkpoint_dir(cfg, state) if STARTS[how].weights else None
     if source is None:
         vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
         config = ModernBERTConfig.from_preset(
@@ -371,21 +391,25 @@ def build_model(cfg, how, state, meta, device):
 
 
 def restore(how, state, optimizer, loader, device, rank, world):
-    """What a resume or a hand-off carries over: Adam moments and step counter, the data position,
-    and (resume only) the RNG streams. Returns (phase step, phase tokens, the runs before this)."""
-    if how in ("resume", "handoff"):
+    """What STARTS[how] carries over besides the weights: Adam's moments and t, the data position, the RNG
+    streams. Returns (phase step, phase tokens, the runs before this)."""
+    carries = STARTS[how]
+    if carries.moments:
         from safetensors.torch import load_file
         path = os.path.join(state["dir"], "optimizer.safetensors")
-        optimizer.load_state_tensors(load_file(path, device=str(device)), state["step"], path)
+        optimizer.load_state_tensors(load_file(path, device=str(device)), path)
+    if carries.adam_t:
+        optimizer.t = state["adam_t"]
+    if carries.data_position:
         loader.load_state_dict(state["loader"], f"{state['dir']}/state.json: loader")
-    if how == "resume":
-        if len(state["rng"]) == world:  # dropout streams; another world size restarts them
-            set_rng_state(state["rng"][rank], device)
-        return state["phase_step"], state["phase_tokens"], state["history"]
-    if how == "handoff":
-        parent = dict(phase=state["phase"], tokens=state["phase_tokens"], dir=state["dir"])
-        return 0, 0, state["history"] + [parent]
-    return 0, 0, []
+    if carries.rng and len(state["rng"]) == world:  # dropout streams; another world size restarts them
+        set_rng_state(state["rng"][rank], device)
+    history = state["history"] if carries.history else []
+    if carries.phase:
+        return state["phase_step"], state["phase_tokens"], history
+    if carries.history:  # the run it continues comes before it
+        history = history + [dict(phase=state["phase"], tokens=state["phase_tokens"], dir=state["dir"])]
+    return 0, 0, history
 
 
 # -----------------------------------------------------------------------------
@@ -416,11 +440,24 @@ def all_gather(obj, world):
     return out
 
 
+def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
+    """(the step's mean loss over every rank's labelled tokens, whether any rank was asked to stop, the gradient
+    norm), as Python numbers. Every rank must stop at the same step: one that went on would wait forever in the
+    next gradient all-reduce. So each rank adds 1 if a signal reached it, and a sum above 0 stops them all. The
+    stop signal rides in the loss's all-reduce, and the norm (the same on every rank) in its copy to the host:
+    one collective and one host sync per step, not two of each."""
+    shared = torch.stack([loss_sum, loss_sum.new_tensor(labelled), loss_sum.new_tensor(float(stop_requested))])
+    if dist.is_initialized():
+        dist.all_reduce(shared)  # sums: the loss, the labelled tokens, the ranks asked to stop
+    total, labelled, asked, norm = torch.cat([shared, grad_norm.double()[None]]).tolist()
+    return total / max(labelled, 1), asked > 0, norm
+
+
 @dataclass
 class Run:
     """Everything the loop reads and changes, built once by setup()."""
     cfg: Config
-    how: str  # fresh | weights | handoff | resume
+    how: str  # a row of STARTS: fresh | weights | handoff | resume
     model: ModernBERT
     ddp_model: torch.nn.Module  # the model itself on one process
     optimizer: AdamW
@@ -434,7 +471,7 @@ class Run:
     rank: int
     world: int
     accum: int  # micro-batches per optimizer step on each process
-    step: int  # optimizer steps of this phase
+    phase_step: int  # optimizer steps of this phase (Adam's t counts every phase: optimizer.t)
     phase_tokens: int  # tokens of this phase
     schedule_start: int  # tokens of the schedule run before this phase
     history: list  # the runs this one continues: [{phase, tokens, dir}]
@@ -461,28 +498,28 @@ def setup(given):
     loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, micro, rank, world,
                          cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed, device=device)
     model, source = build_model(cfg, how, state, meta, device)
-    if how != "fresh":  # the checkpoint's architecture, recorded as what it is
+    if STARTS[how].weights:  # the checkpoint's architecture, recorded as what it is
         cfg.preset = flags.preset_of(model.config, PRESETS)
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
     frozen = freeze.frozen_names(model, layers)
     optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
                       cfg.weight_decay, frozen)
-    step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
+    phase_step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
     start = schedule_start(cfg, how, state)
     if rank == 0:
-        progress.start(how, cfg, step, source, state, start, learning_rate)
+        progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     if cfg.compile and device.type in COMPILERS:
         model.compile_blocks(COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if run_dir:
-        run_dir.trim_log(step)  # the log holds exactly the steps of the checkpoint we start from
+        run_dir.trim_log(phase_step)  # the log holds exactly the steps of the checkpoint we start from
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
-                                dataclasses.asdict(cfg), step + 1)
+                                dataclasses.asdict(cfg), phase_step + 1)
     return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir, tracker,
-               device, rank, world, cfg.batch_size // (micro * world), step, phase_tokens, start, history,
+               device, rank, world, cfg.batch_size // (micro * world), phase_step, phase_tokens, start, history,
                code_version())
 
 
@@ -492,15 +529,15 @@ def train(r):
     cfg, model, params = r.cfg, r.model, list(r.model.parameters())
     per_step, micro_batch = cfg.batch_size * cfg.seq_len, cfg.batch_size // r.accum // r.world
     total_steps = cfg.tokens // per_step
-    stop_at = min(total_steps, r.step + cfg.max_steps) if cfg.max_steps else total_steps
+    stop_at = min(total_steps, r.phase_step + cfg.max_steps) if cfg.max_steps else total_steps
     if r.rank == 0:
         progress.plan(r, total_steps)
     predicted = cfg.mask_rate if cfg.objective == "mlm" else 1.0  # CLM predicts every token
     flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", predicted)
     peak = peak_flops(r.device)
-    first_step, t_start, signalled = r.step, time.time(), False
+    first_step, t_start, anyone_stopping = r.phase_step, time.time(), False
     with GracefulStop() as signals:
-        while r.step < stop_at and not signalled:
+        while r.phase_step < stop_at and not anyone_stopping:
             t0 = time.time()
             lr = learning_rate(cfg, r.schedule_start + r.phase_tokens)
             loss_sum, labelled = torch.zeros((), dtype=torch.float64, device=r.device), 0
@@ -523,41 +560,38 @@ def train(r):
             else:
                 grads = [p.grad for p in params if p.grad is not None]
                 grad_norm = torch.nn.utils.get_total_norm(grads)
-            shared = torch.cat([loss_sum[None], loss_sum.new_tensor([labelled, signals.requested])])
-            if dist.is_initialized():  # one collective: all ranks' token losses; a signal stops all
-                dist.all_reduce(shared)
-            total, labelled, signal, norm = torch.cat([shared, grad_norm.double()[None]]).tolist()
-            lossf = total / max(labelled, 1)  # the step's mean over its labelled tokens
-            flags.check_finite(lossf, norm, r.step + 1, cfg)  # before the weights change
+            # the step's loss over every rank's tokens, and whether any rank got Ctrl-C or SIGTERM: one all-reduce
+            lossf, anyone_stopping, norm = across_ranks(loss_sum, labelled, signals.requested, grad_norm)
+            flags.check_finite(lossf, norm, r.phase_step + 1, cfg)  # before the weights change
             r.optimizer.step(lr)
             for p in params:
                 p.grad = None
-            r.step, r.phase_tokens, signalled = r.step + 1, r.phase_tokens + per_step, signal > 0
+            r.phase_step, r.phase_tokens = r.phase_step + 1, r.phase_tokens + per_step
             record = progress.record(r, lossf, lr, norm, time.time() - t0, flops, peak)
             if r.run_dir:  # before the save, so that the log and the checkpoint agree
                 r.run_dir.append_log(record)
                 r.tracker.log(record)
-            if r.rank == 0 and (r.step % cfg.eval_interval == 0 or r.step == total_steps):
+            if r.rank == 0 and (r.phase_step % cfg.eval_interval == 0 or r.phase_step == total_steps):
                 sep_id = r.meta["sep_id"] if cfg.separate_documents else None
                 record.update(validation_losses(model, cfg.data, cfg.seq_len, cfg.eval_sequences,
                                                 micro_batch, r.device, cfg.dtype, sep_id))
                 validation = {k: record[k] for k in ("phase", "step", "tokens", "val_mlm", "val_clm")}
                 r.run_dir.append_log(validation)  # in the checkpoint's log too
                 r.tracker.log(validation)
-            interval = cfg.save_interval and r.step % cfg.save_interval == 0
-            if r.step == stop_at or signalled or interval:
+            interval = cfg.save_interval and r.phase_step % cfg.save_interval == 0
+            if r.phase_step == stop_at or anyone_stopping or interval:
                 save(r)
-            if r.rank == 0 and (r.step % cfg.log_interval == 0 or "val_mlm" in record
-                                or r.step in (stop_at, first_step + 1)):
-                eta = (time.time() - t_start) / (r.step - first_step) * (stop_at - r.step)
+            if r.rank == 0 and (r.phase_step % cfg.log_interval == 0 or "val_mlm" in record
+                                or r.phase_step in (stop_at, first_step + 1)):
+                eta = (time.time() - t_start) / (r.phase_step - first_step) * (stop_at - r.phase_step)
                 progress.step_line(cfg, record, total_steps, eta)
-    return total_steps, signalled, time.time() - t_start
+    return total_steps, anyone_stopping, time.time() - t_start
 
 
 def save(r):
     """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every
     rank comes here."""
-    state = dict(phase=r.cfg.phase, step=r.optimizer.steps, phase_step=r.step,
+    state = dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step,
                  phase_tokens=r.phase_tokens,
                  total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
                  schedule_tokens_done=r.schedule_start + r.phase_tokens,
@@ -571,7 +605,7 @@ def save(r):
             r.run_dir.write_card(progress.card(r, learning_rate))
         except OSError as e:
             print(f"warning: no loss picture or model card this time ({e.strerror or e})")
-        print(f"saved {r.run_dir.path} at step {r.step}")
+        print(f"saved {r.run_dir.path} at step {r.phase_step}")
 
 
 def main(argv=None):

@@ -245,8 +245,8 @@ def out_of_memory(e, r):
         (" or --preset" if r.how == "fresh" else "")
     change = f"lower {lower}" if r.how != "resume" else \
         f"a resumed run keeps its settings: resume where more memory is, or start again with a lower {lower}"
-    return InputError(f"{f'rank {r.rank}: ' if r.world > 1 else ''}out of memory on {r.device} in step {r.step + 1}"
-                      f"{f' (asked for {asked} more)' if asked else ''}: micro-batches of "
+    return InputError(f"{f'rank {r.rank}: ' if r.world > 1 else ''}out of memory on {r.device} in step "
+                      f"{r.phase_step + 1}{f' (asked for {asked} more)' if asked else ''}: micro-batches of "
                       f"{cfg.batch_size // r.accum // r.world} x {cfg.seq_len} tokens through "
                       f"{model.num_hidden_layers} blocks {model.hidden_size} wide (--preset={cfg.preset or 'none'}); "
                       f"{change}. The checkpoints in {cfg.out_dir} are as they were", every_rank=True)
@@ -263,7 +263,7 @@ def check_state(state, cfg):
         (state["phase_step"] <= steps, f"phase_step {state['phase_step']} is beyond the budget's {steps} steps"),
         (state["phase_tokens"] == state["phase_step"] * per_step,
          f"phase_tokens {state['phase_tokens']} != phase_step {state['phase_step']} x {per_step} tokens per step"),
-        (state["step"] >= state["phase_step"], f"step {state['step']} is below phase_step {state['phase_step']}"),
+        (state["adam_t"] >= state["phase_step"], f"adam_t {state['adam_t']} is below phase_step {state['phase_step']}"),
         (state["schedule_tokens_done"] >= state["phase_tokens"],
          f"schedule_tokens_done {state['schedule_tokens_done']} is below phase_tokens {state['phase_tokens']}"),
         (state["phase"] == cfg.phase, f"phase {state['phase']!r} differs from its config's {cfg.phase!r}"),

@@ -31,17 +31,23 @@ def peak_flops(device):
     return peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def start(how, cfg, step, source, state, schedule_from, learning_rate):
-    """The line that says how the run starts and what it carries over; for a resume with a new budget, or a
-    hand-off, a line on what happens to the schedule."""
-    print({"resume": f"resume {cfg.out_dir} at phase step {step}: weights, Adam moments, step counter, "
-                     f"schedule, data position and RNG states",
-           "handoff": f"phase hand-off from {source}: weights, Adam moments, step counter and data position",
-           "weights": f"weights from {source}; a fresh optimizer, and the data from its first sequence",
-           "fresh": f"a fresh {cfg.preset} model (seed {cfg.seed})"}[how])
+# What each field of train.py's Carries (a row of STARTS) is called in a run's first line.
+CARRIED = dict(weights="weights", moments="Adam's moments", adam_t="Adam's t", data_position="data position",
+               rng="RNG streams", history="the runs before it", phase="the phase's step and tokens")
+
+
+def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
+    """The line that says how the run starts and what it carries over (`carries`: its row of train.STARTS); for a
+    resume with a new budget, or a hand-off, a line on what happens to the schedule."""
+    where = {"resume": f"resume {cfg.out_dir} at phase step {phase_step}", "handoff": f"phase hand-off from {source}",
+             "weights": f"weights from {source}", "fresh": f"a fresh {cfg.preset} model (seed {cfg.seed})"}[how]
+    kept = [words for name, words in CARRIED.items() if getattr(carries, name)]
+    fresh = [words for name, words in CARRIED.items() if not getattr(carries, name)]
+    print(f"{where}; carries over: {', '.join(kept) or 'nothing'}"
+          + (f"; fresh: {', '.join(fresh)}" if kept and fresh else ""))
     saved = state["config"] if state else {}
     if how == "resume" and saved["tokens"] != cfg.tokens:
-        print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {step} steps run keep "
+        print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
               f"their learning rates")
     if how == "handoff" and schedule_from:
         print(f"the {cfg.schedule} schedule goes on from token {schedule_from:,} of {cfg.schedule_tokens:,}: "
@@ -95,7 +101,7 @@ def record(r, loss, lr, grad_norm, seconds, flops, peak):
     """The log record of the step just taken; `flops` per token, `peak` per GPU (None: no MFU)."""
     per_step = r.cfg.batch_size * r.cfg.seq_len
     mfu = round(flops * per_step / seconds / r.world / peak, 4) if peak else None
-    return dict(phase=r.cfg.phase, step=r.step, tokens=r.phase_tokens, loss=round(loss, 5), lr=lr,
+    return dict(phase=r.cfg.phase, step=r.phase_step, tokens=r.phase_tokens, loss=round(loss, 5), lr=lr,
                 grad_norm=round(grad_norm, 4), ms=round(seconds * 1000, 1), tokens_per_s=round(per_step / seconds),
                 mfu=mfu)
 
@@ -138,7 +144,7 @@ def continuations(r, total_steps, learning_rate):
     allows them. A hand-off names its --out_dir where the default one is taken."""
     cfg, out = r.cfg, r.cfg.out_dir
     per_step = cfg.batch_size * cfg.seq_len
-    if r.step < total_steps:
+    if r.phase_step < total_steps:
         return [("continue", command("--resume", f"--out_dir={out}"), "to the end of its budget")]
     rest = cfg.schedule_tokens - r.schedule_start - r.phase_tokens if cfg.schedule_tokens else 0
     if rest >= per_step:  # a hand-off continues the schedule (MLM after CLM, as the biphasic study)
@@ -174,16 +180,16 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
     cfg, out = r.cfg, r.cfg.out_dir
     hints = continuations(r, total_steps, learning_rate)
     print("-" * 100)
-    if r.step < total_steps:
+    if r.phase_step < total_steps:
         why = "interrupted by a signal" if signalled else "--max_steps"
-        print(f"stopped at step {r.step} of {total_steps} ({why}) after {duration(elapsed)}; saved. Continue "
+        print(f"stopped at step {r.phase_step} of {total_steps} ({why}) after {duration(elapsed)}; saved. Continue "
               f"with:\n    {hints[0][1]}")
         if signalled and r.world > 1:  # torchrun's agent got the signal too, or sees its workers stop
             print("torchrun reports the stop next, with a traceback of its own and exit status 1; the checkpoint "
                   "above is complete and the command above continues it")
         return
     val = last_validation(r.run_dir.log_path)
-    print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.step} steps, "
+    print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.phase_step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
           f"CLM {val.get('val_clm', float('nan')):.4f}\n"
           f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
@@ -214,7 +220,7 @@ def card(r, learning_rate):
     val = last_validation(r.run_dir.log_path)
     lines = ["---", *yaml_lines(meta), "---", "", f"# {os.path.basename(out)}", "",
              f"A ModernBERT encoder ({cfg.preset or 'custom'} architecture, {r.model.num_params():,} parameters) "
-             f"trained by train.py, {r.step} of {total_steps} steps of its phase. It loads with "
+             f"trained by train.py, {r.phase_step} of {total_steps} steps of its phase. It loads with "
              f"`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`).", "",
              "## Training", "", f"Started from {origin(chain[0]['config'])}.", "",
              "| phase | objective | tokens | schedule | run |", "|---|---|---|---|---|",

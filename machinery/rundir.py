@@ -644,7 +644,7 @@ def _code(value, field):
 
 
 STATE_FIELDS = {  # field -> check(value, field); phase and config are checked against the caller's tables
-    "phase": lambda v, f: _text(v, f, 64), "step": _count, "phase_step": _count, "phase_tokens": _count,
+    "phase": lambda v, f: _text(v, f, 64), "adam_t": _count, "phase_step": _count, "phase_tokens": _count,
     "total_tokens": _count, "schedule_tokens_done": _count, "loader": _loader,
     "rng": lambda v, f: _list(v, f, _rng, 1 << 16), "config": None, "code": _code,
     "tokenizer": _text, "history": lambda v, f: _list(v, f, _record, 1000), "files": _files,
@@ -653,10 +653,13 @@ STATE_FIELDS = {  # field -> check(value, field); phase and config are checked a
 
 def validate_state(state, source, phases=None, fields=None):
     """state.json checked field by field; an InputError names `source` and the field. `phases`: the phase
-    names allowed; `fields`: train.py's settings {name: "int" | "float" | "str" | "bool"}."""
+    names allowed; `fields`: train.py's settings {name: "int" | "float" | "str" | "bool"}. Returns the state, Adam's
+    t under its name of today."""
     try:
         if type(state) is not dict:
             raise _Bad("(top level)", f"expected an object, got {_show(state)}")
+        if "step" in state and "adam_t" not in state:  # a checkpoint written before Adam's t had its own name
+            state = {("adam_t" if key == "step" else key): value for key, value in state.items()}
         for key in STATE_FIELDS:
             if key not in state:
                 raise _Bad(key, "missing")
@@ -671,8 +674,8 @@ def validate_state(state, source, phases=None, fields=None):
                                                            for i, h in enumerate(state["history"]))]:
             if phases is not None and phase not in phases:
                 raise _Bad(field, f"{phase!r} is not a phase (known: {', '.join(phases)})")
-        if state["step"] < state["phase_step"]:
-            raise _Bad("step", f"{state['step']} is less than phase_step {state['phase_step']}")
+        if state["adam_t"] < state["phase_step"]:
+            raise _Bad("adam_t", f"{state['adam_t']} is less than phase_step {state['phase_step']}")
         if state["total_tokens"] < state["phase_tokens"]:
             raise _Bad("total_tokens", f"{state['total_tokens']} is less than phase_tokens {state['phase_tokens']}")
     except _Bad as e:

@@ -43,7 +43,7 @@ def moments(model, step):
 
 
 def make_state(step, phase="mlm"):
-    return dict(phase=phase, step=step + 10, phase_step=step, phase_tokens=step * 64, total_tokens=step * 64 + 100,
+    return dict(phase=phase, adam_t=step + 10, phase_step=step, phase_tokens=step * 64, total_tokens=step * 64 + 100,
                 schedule_tokens_done=step * 64, loader={"sequence": step * 4, "split": "train", "data_seed": 42},
                 rng=[rundir.rng_state(torch.device("cpu"))], config={"lr": 2e-3, "seed": 17, "recipe": "demo",
                                                                     "compile": False},
@@ -622,9 +622,9 @@ def edit(path, value):
 
 DELETE = object()
 BAD_STATES = [  # (field to edit, bad value, the field the message names)
-    ("step", "5", "step"), ("step", -1, "step"), ("step", True, "step"), ("step", 1e30, "step"),
-    ("step", float("nan"), "step"), ("step", 2 ** 62, "step"), ("step", 4.0, "step"), ("step", None, "step"),
-    ("step", DELETE, "step"), ("step", 3, "step"),  # below phase_step
+    ("adam_t", "5", "adam_t"), ("adam_t", -1, "adam_t"), ("adam_t", True, "adam_t"), ("adam_t", 1e30, "adam_t"),
+    ("adam_t", float("nan"), "adam_t"), ("adam_t", 2 ** 62, "adam_t"), ("adam_t", 4.0, "adam_t"),
+    ("adam_t", None, "adam_t"), ("adam_t", DELETE, "adam_t"), ("adam_t", 3, "adam_t"),  # below phase_step
     ("phase_step", 1e30, "phase_step"), ("phase_step", -5, "phase_step"), ("phase_tokens", "x", "phase_tokens"),
     ("total_tokens", 1.5, "total_tokens"), ("total_tokens", 10, "total_tokens"),  # below phase_tokens
     ("schedule_tokens_done", -1, "schedule_tokens_done"), ("schedule_tokens_done", [], "schedule_tokens_done"),
@@ -662,6 +662,15 @@ def test_validate_state_names_the_field_and_the_file(path, value, field):
     with pytest.raises(InputError) as e:
         validate_state(state, "run/checkpoints/step-00000004/state.json", PHASES, FIELDS)
     assert str(e.value).startswith(f"run/checkpoints/step-00000004/state.json: {field}:"), str(e.value)
+
+
+def test_a_state_written_before_adam_t_had_its_name_reads_as_today():
+    """Checkpoints written before the rename call Adam's t `step`: read, it is `adam_t`, checked as before."""
+    old = {("step" if key == "adam_t" else key): value for key, value in make_state(4, "clm").items()}
+    state = validate_state({**old, "files": {}}, "s.json", PHASES, FIELDS)
+    assert "step" not in state and state["adam_t"] == 14 and state["phase_step"] == 4
+    with pytest.raises(InputError, match=r"^s\.json: adam_t: 3 is less than phase_step 4"):
+        validate_state({**old, "step": 3, "files": {}}, "s.json")
 
 
 def test_validate_state_accepts_a_good_state_and_the_top_level_must_be_an_object():

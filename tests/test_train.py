@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import freeze
 import train
 from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
 from machinery import flags as flag_rules
+from machinery import progress
 from machinery.cli import InputError
 from machinery.hf import read_config
 from machinery.rundir import RunDir
@@ -112,7 +114,7 @@ def test_adamw_equals_torch_adamw_with_scaled_weight_decay():
         torch_opt.step()
         for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-9), (step, name)
-    assert opt.steps == 6
+    assert opt.t == 6
     no_decay = {n for n, _ in groups["no_decay"]}
     assert no_decay == {n for n, p in ours.named_parameters() if p.ndim <= 1}
     assert any(n.endswith("norm.weight") for n in no_decay) and "decoder.bias" in no_decay
@@ -220,7 +222,7 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
     with pytest.raises(InputError, match="--resume"):  # nothing written is overwritten by accident
         run(corpus, tmp_path / "stopped", *flags)
     resumed, state = run(corpus, tmp_path / "stopped", "--resume")
-    assert state["phase_step"] == 6 and state["step"] == 6
+    assert state["phase_step"] == 6 and state["adam_t"] == 6
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     log = [json.loads(line) for line in open(tmp_path / "stopped" / "log.jsonl")]
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]  # training records; validation has its own
@@ -244,7 +246,7 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     clm_state = latest(tmp_path / "clm")
     decay, state = run(corpus, tmp_path / "decay", "--phase=decay", f"--init_from={tmp_path / 'clm'}",
                        "--warmup_tokens=0")  # SMALL's warmup would apply to any schedule
-    assert state["step"] == 11 and state["phase_step"] == 1 and state["phase"] == "decay"
+    assert state["adam_t"] == 11 and state["phase_step"] == 1 and state["phase"] == "decay"
     assert state["config"]["tokens"] == STEP_TOKENS  # 10% of the Phase-1 budget by default
     with pytest.raises(InputError, match="less than one optimizer step"):  # a decay of no step is refused
         run(corpus, tmp_path / "short", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--tokens=100")
@@ -260,7 +262,7 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     peak, wd = 1e-3, 1e-5
     opt = torch_adamw_oracle(model, peak, wd)
     for name, p in model.named_parameters():
-        opt.state[p] = {"step": torch.tensor(float(clm_state["step"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
+        opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
                         "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
     fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.step()  # the decay schedule starts at the peak
@@ -270,6 +272,38 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     # A fresh optimizer (zero moments, t = 1) would have moved the weights differently.
     moved = decay["model.layers.0.attn.Wqkv.weight"] - fresh["model.layers.0.attn.Wqkv.weight"]
     assert not torch.allclose(moved.abs(), torch.full_like(moved, peak), rtol=1e-3)
+
+
+def test_each_way_a_run_starts_carries_over_what_its_row_of_starts_says(corpus, tmp_path, capsys):
+    """One step after each row of train.STARTS, from a parent stopped at 2 of 3 steps: Adam's t, the data position,
+    the phase's step and the runs before it go on from the parent's where the row carries them and start from 0
+    where it does not, and the first line names what is carried. (Weights, moments and RNG streams count in the
+    hand-off and resume tests, which rebuild their numbers.)"""
+    parent = tmp_path / "parent"
+    run(corpus, parent, f"--tokens={3 * STEP_TOKENS}", "--max_steps=2")
+    before = latest(parent)
+    shutil.copytree(parent, tmp_path / "resume")
+    capsys.readouterr()
+    for how, flags in {"fresh": [], "weights": [f"--init_from={parent}", "--weights_only"],
+                       "handoff": [f"--init_from={parent}"], "resume": ["--resume"]}.items():
+        run(corpus, tmp_path / how, *flags, *([] if how == "resume" else [f"--tokens={STEP_TOKENS}"]))
+        carries, state = train.STARTS[how], latest(tmp_path / how)
+        line = next(line for line in capsys.readouterr().out.splitlines() if "; carries over: " in line)
+        named = line.split("; carries over: ")[1].split("; fresh: ")[0].split(", ")
+        assert named == [words for name, words in progress.CARRIED.items() if getattr(carries, name)] or \
+            named == ["nothing"] and not any(dataclasses.astuple(carries)), (how, line)
+        assert state["adam_t"] == (before["adam_t"] if carries.adam_t else 0) + 1, how
+        assert state["loader"]["sequence"] == (before["loader"]["sequence"] if carries.data_position else 0) + 4, how
+        assert state["phase_step"] == (before["phase_step"] if carries.phase else 0) + 1, how
+        handed_on = before["history"] + [dict(phase="mlm", tokens=2 * STEP_TOKENS, dir=before["dir"])]
+        assert state["history"] == (before["history"] if carries.phase else handed_on if carries.history else []), how
+
+
+def test_across_ranks_shares_the_loss_the_stop_signal_and_the_norm():
+    """One process: the step's mean over its labelled tokens (0 where none), the stop signal as asked, the norm."""
+    loss_sum, norm = torch.tensor(6.0, dtype=torch.float64), torch.tensor(2.5)
+    assert train.across_ranks(loss_sum, 3, False, norm) == (2.0, False, 2.5)
+    assert train.across_ranks(loss_sum * 0, 0, True, norm) == (0.0, True, 2.5)
 
 
 def test_freezing_leaves_frozen_blocks_bit_identical_and_out_of_the_clipping(corpus, tmp_path, monkeypatch):
@@ -543,7 +577,7 @@ def test_a_hand_off_to_the_same_phase_equals_the_straight_run(corpus, tmp_path, 
     assert all(torch.equal(straight[k], then[k]) for k in straight)
     lrs = {name: [r["lr"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "loss" in r]
            for name in ("straight", "first", "then")}
-    assert lrs["first"] + lrs["then"] == lrs["straight"] and latest(tmp_path / "then")["step"] == 6
+    assert lrs["first"] + lrs["then"] == lrs["straight"] and latest(tmp_path / "then")["adam_t"] == 6
 
 
 def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exactly(corpus, tmp_path):
@@ -553,7 +587,7 @@ def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exact
     whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5)
     assert lrs == [train.learning_rate(whole, k * STEP_TOKENS) for k in range(6)]
     assert lrs[2] == lrs[3] == 1e-3 and lrs[4] < lrs[3]  # no second warmup after the switch; one decay at the end
-    assert latest(tmp_path / "straight" / "mlm")["step"] == 6  # Adam's step counter crossed the switch
+    assert latest(tmp_path / "straight" / "mlm")["adam_t"] == 6  # Adam's t crossed the switch
     for side in ("clm", "mlm"):  # a kill on either side of the switch
         resumed = biphasic(corpus, tmp_path / side, kill_in=side)
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), side
@@ -683,7 +717,7 @@ def test_a_run_made_longer_equals_the_run_given_that_budget_from_the_start(sched
     for name in ("model.safetensors", "optimizer.safetensors"):
         straight, longer = (load_file(os.path.join(latest(d)["dir"], name)) for d in (tmp_path / "straight", out))
         assert straight.keys() == longer.keys() and all(torch.equal(straight[k], longer[k]) for k in straight)
-    assert lrs(out) == lrs(tmp_path / "straight") and latest(out)["step"] == 6
+    assert lrs(out) == lrs(tmp_path / "straight") and latest(out)["adam_t"] == 6
     if schedule != ["--schedule=constant"]:
         with pytest.raises(InputError, match="would give the step at token 2,560 the learning rate"):
             train.main([f"--out_dir={out}", "--resume", f"--tokens={8 * STEP_TOKENS}"])

@@ -226,7 +226,7 @@ BAD_RUNS = [
     ("truncated optimizer", truncate("optimizer.safetensors"), ["optimizer.safetensors", "bytes"]),
     ("garbage state.json", rewrite("state.json", "{not json"), ["state.json", "not valid JSON"]),
     ("state.json without loader", edit_json("state.json", lambda s: s.pop("loader")), ["state.json", "loader"]),
-    ("a string step", edit_json("state.json", lambda s: s.update(step="4")), ["state.json", "step"]),
+    ("a string adam_t", edit_json("state.json", lambda s: s.update(adam_t="4")), ["state.json", "adam_t"]),
     ("a negative phase_step", edit_json("state.json", lambda s: s.update(phase_step=-5)), ["phase_step"]),
     ("a phase_step of 1e30", edit_json("state.json", lambda s: s.update(phase_step=1e30)), ["phase_step"]),
     ("a non-numeric loader position", edit_json("state.json", lambda s: s["loader"].update(sequence="x")),
@@ -382,6 +382,29 @@ def test_a_checkpoint_older_than_the_settings_that_change_no_number_resumes(run_
     fails(capsys, [f"--out_dir={out}", "--resume"], "state.json: config.lr: missing")
 
 
+def test_a_checkpoint_that_calls_adam_t_step_resumes_and_hands_off(run_dir, tmp_path):
+    """A checkpoint written before Adam's t had its own name holds it as `step`: it resumes to the weights of the
+    same checkpoint under today's name, and hands its t on."""
+    today = copy_run(run_dir, tmp_path)
+    before = tmp_path / "before"
+    shutil.copytree(run_dir, before)
+    path = newest(before) / "state.json"
+    state = json.loads(path.read_text())
+    state["step"] = state.pop("adam_t")
+    path.write_text(json.dumps(state))
+    for out in (today, before):
+        train.main([f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"])
+    resumed = {out: load_file(out / "model.safetensors") for out in (today, before)}
+    assert all(torch.equal(resumed[today][k], resumed[before][k]) for k in resumed[today])
+    assert RunDir.open(str(before)).latest_state()["adam_t"] == 3
+    path = newest(before) / "state.json"
+    state = json.loads(path.read_text())
+    state["step"] = state.pop("adam_t")
+    path.write_text(json.dumps(state))
+    train.main([f"--init_from={before}", f"--out_dir={tmp_path / 'decay'}", "--phase=decay", f"--tokens={STEP_TOKENS}"])
+    assert RunDir.open(str(tmp_path / "decay")).latest_state()["adam_t"] == 4
+
+
 def test_resume_continues_the_run_as_saved(run_dir, tmp_path, capsys):
     """--resume changes nothing that alters the numbers; a finished run says so and trains nothing."""
     out = copy_run(run_dir, tmp_path)
@@ -461,7 +484,7 @@ def test_a_non_finite_weight_is_never_saved(demo_corpus, tmp_path, capsys, monke
 
     def overflowing(self, lr):
         real(self, lr)
-        if self.steps == 2:
+        if self.t == 2:
             next(iter(self.moments.values()))[0].fill_(float("inf"))
     monkeypatch.setattr(train.AdamW, "step", overflowing)
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small("--save_interval=1"),
