@@ -273,7 +273,7 @@ def biphasic_plan(s, out, a):
         def arm(name, objective, tokens, schedule, parent="", weights_only=False):
             """A training of `tokens` within a WSD schedule over `schedule` tokens: from scratch; from the weights
             of `parent` (a fresh optimizer, data position and schedule); or continuing `parent`'s run, a hand-off
-            that carries its Adam moments, step counter, data position, seeds and schedule."""
+            that carries its Adam moments and t, data position, seeds and schedule."""
             name, parent = replicate(name, r), parent and replicate(parent, r)
             origin = [f"--init_from={runs / parent}", *(["--weights_only"] if weights_only else [])] if parent else []
             origin += [f"--data={data}", *seeds(r)] if weights_only or not parent else []  # a hand-off inherits
