@@ -229,7 +229,7 @@ def test_bad_input_from_the_shell_has_no_traceback(inputs):
 def test_every_flag_has_a_meaning_and_a_default_in_help():
     from machinery.evalcli import parser
     commands = next(a for a in parser(ev)._actions if a.dest == "command").choices
-    assert set(commands) == {"cka", "finetune", "table", "mlm", "curves"}
+    assert set(commands) == {"cka", "finetune", "table", "mlm", "curves", "needle"}
     for name, sub in commands.items():
         text = " ".join(sub.format_help().split())  # argparse wraps lines
         for action in sub._actions:
