@@ -8,6 +8,16 @@ from machinery.cli import InputError
 from machinery.curves import new_figure, save
 
 
+def write_figure(fig, path):
+    """Write a figure whole (curves.save: a temporary file renamed) or stop with one line naming the file."""
+    try:
+        save(fig, path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    print(f"wrote {path}")
+    return Path(path).name
+
+
 def number(x, spec):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -101,12 +111,7 @@ def plot_cka(r, path):
         note += f" Outside the band: above the bound from {c['k']} controls (at most 5% of layers with no effect)."
     fig.text(0.5, 0.01, note, ha="center", fontsize=7)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    try:
-        save(fig, path)
-    except OSError as e:
-        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
-    print(f"wrote {path}")
-    return Path(path).name
+    return write_figure(fig, path)
 
 
 # -----------------------------------------------------------------------------
@@ -234,12 +239,7 @@ def plot_needle(r, path, names=None):
     fig.colorbar(image, ax=list(axes[:len(arms)]), label="exact match %", shrink=0.8)
     fig.suptitle(f"Needle in a haystack: exact match of the value (%, the mean over a model's replicates), "
                  f"{r['args']['n']} examples per cell")
-    try:
-        save(fig, path)
-    except OSError as e:
-        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
-    print(f"wrote {path}")
-    return Path(path).name
+    return write_figure(fig, path)
 
 
 # -----------------------------------------------------------------------------
