@@ -363,9 +363,9 @@ def report(out, study, scale, s, stages, plan, R):
                                                                for r in range(1, R + 1)] for lr in s["lrs"]}
                                               for m in models}, base)
     if study == "detour":
-        rep["cka"] = {w: {k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"}
-                      for w in ("before", "after")}
-        rep["needle"] = needle_summary(out / "needle.json")
+        rep["cka"] = {w: as_in_out({k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"},
+                                   out) for w in ("before", "after")}
+        rep["needle"] = as_in_out(needle_summary(out / "needle.json"), out)
     rep["what"] = what_was_run(rep, study, s, stages)
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
     rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
@@ -383,9 +383,21 @@ def finite(obj):
     return str(obj) if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
+def as_in_out(obj, out):
+    """obj with every path inside out written OUT/..., as the plan shows commands: the report of an experiment is
+    the same wherever its folder is."""
+    if isinstance(obj, dict):
+        return {k: as_in_out(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [as_in_out(v, out) for v in obj]
+    inside = isinstance(obj, str) and (obj == str(out) or obj.startswith(f"{out}/"))
+    return "OUT" + obj[len(str(out)):] if inside else obj
+
+
 def needle_summary(path):
-    """eval.py needle's result without each example's numbers (the file beside the report keeps them)."""
-    r = read_json(path, "eval.py needle's result")
+    """eval.py needle's result without each example's numbers (the file beside the report keeps them) and without
+    its time (the report's time section has every stage's)."""
+    r = {k: v for k, v in read_json(path, "eval.py needle's result").items() if k != "seconds"}
     for arm in r["arms"].values():
         for run in arm["replicates"]:
             run["cells"] = {length: {c: {k: v for k, v in cell.items() if not k.endswith("_each")}

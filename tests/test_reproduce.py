@@ -176,7 +176,7 @@ def test_a_third_invocation_skips_every_finished_stage(detour):
     (["--scale=cpu"], "start (its command)"),
     (["--gpus=2"], "start (its command)"),
     (["--study=biphasic"], "clm-r1 (its command), mlm-r1 (its command)"),
-    (["--replicates=3"], "clm-r3 (not in OUT)"),
+    (["--replicates=3"], "clm-r3 (not in that command)"),
     (["corpus"], "data-corpus (the content of"),
     (["task"], "finetune-mlm-decay-r1-lr0.001 (the content of"),
 ])
