@@ -41,6 +41,19 @@ def torch_adamw_oracle(model, peak_lr, weight_decay, betas=(0.9, 0.98), eps=1e-6
                              lr=peak_lr, betas=betas, eps=eps)
 
 
+def made_up_texts(path, count, shortest, longest):
+    """path: a JSONL of `count` made-up biomedical-sounding texts of shortest to longest - 1 words, the same at
+    every call (texts for CKA and the needle that no model has seen)."""
+    import json
+
+    import numpy as np
+    rng = np.random.default_rng(0)
+    words = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(shortest, longest)))}) + "\n"
+                            for _ in range(count)))
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory):
     """The embedded demo corpus (stdlib docstrings, its own small BPE), prepared once per test session."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
+from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, made_up_texts, need, tiny_model
 
 import eval as ev
 from data import count_windows, load_tokenizer, prepare, val_batches
@@ -48,12 +48,7 @@ def byte_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     """Made-up texts of different lengths (padding matters for the masked mean)."""
-    rng = np.random.default_rng(0)
-    words = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
-    path = tmp_path_factory.mktemp("texts") / "texts.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 25)))}) + "\n"
-                            for _ in range(24)))
-    return path
+    return made_up_texts(tmp_path_factory.mktemp("texts") / "texts.jsonl", 24, 3, 25)
 
 
 # ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import BYTE_IDS, ROOT, tiny_model
+from conftest import BYTE_IDS, ROOT, made_up_texts, tiny_model
 
 import eval as ev
 from machinery.cli import InputError
@@ -23,12 +23,7 @@ PREFIX = TOK.encode(ev.NEEDLE[0])
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     """Made-up held-out texts, about 3,000 byte tokens in all."""
-    rng = np.random.default_rng(0)
-    words = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
-    path = tmp_path_factory.mktemp("texts") / "texts.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 30)))}) + "\n"
-                            for _ in range(30)))
-    return path
+    return made_up_texts(tmp_path_factory.mktemp("texts") / "texts.jsonl", 30, 5, 30)
 
 
 @pytest.fixture(scope="module")
