@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from data import load_meta
 from machinery import evalcli
 from machinery.cli import InputError, autocast, pick_device, run, save
+from machinery.compare import compare, interval, t_interval, t_quantile, verdict
 from machinery.models import as_list, distinct_models, inspect_model, load_weights, model_tokenizer
-from machinery.tasks import (SPLITS, cached_seed, is_number, load_results, read_jsonl,
-                             read_predictions, read_task)
+from machinery.tasks import SPLITS, cached_seed, is_number, read_jsonl, read_task, source_digest
 from model import IGNORE_INDEX
 
 # ----------------------------------------------------------------------------
@@ -146,117 +146,17 @@ def entity_f1(true, pred, strict=False):
 
 
 # ----------------------------------------------------------------------------
-# Statistics: what a difference between two arms must carry. The unit of an arm is a pretraining
-# run (a replicate); fine-tuning seeds and test examples are nested in it. Replicate r of every arm
-# shares its data order, a fine-tuning seed is the same classifier init and data order for every
-# model, and every model is scored on the same test examples, so differences are paired at every
-# level. Settings (learning rate, epoch) are chosen on dev; test is read once, for that setting.
-
-
-def t_quantile(p, df):
-    """Student's t quantile (p > 0.5) with df degrees of freedom (rounded down: conservative; at
-    least 1), by bisection on the closed-form distribution function of an integer df; the normal
-    quantile beyond 1,000."""
-    df = max(1, int(df)) if math.isfinite(df) else math.inf
-    if df > 1000:
-        return NormalDist().inv_cdf(p)
-
-    def cdf(x):  # P(T <= x) = (1 + P(|T| < x)) / 2, the series of Abramowitz & Stegun 26.7.3-4
-        theta = math.atan(x / math.sqrt(df))
-        c, term, total = math.cos(theta), 1.0, 0.0
-        if df % 2:  # odd: (2/pi) (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
-            for k in range((df - 1) // 2):
-                total, term = total + term, term * (2 * k + 2) / (2 * k + 3) * c * c
-            inside = 2 / math.pi * (theta + math.sin(theta) * c * total)
-        else:  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
-            for k in range(df // 2):
-                total, term = total + term, term * (2 * k + 1) / (2 * k + 2) * c * c
-            inside = math.sin(theta) * total
-        return (1 + inside) / 2
-
-    low, high = 0.0, 1e3
-    for _ in range(100):
-        middle = (low + high) / 2
-        low, high = (low, middle) if cdf(middle) >= p else (middle, high)
-    return (low + high) / 2
-
-
-def t_interval(values):
-    """(mean, low, high): the mean of independent values and its 95% t interval (low and high
-    None for a single value: its spread is unknown)."""
-    v = np.asarray(values, np.float64)
-    mean = float(v.mean())
-    if len(v) < 2:
-        return mean, None, None
-    half = t_quantile(0.975, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
-    return mean, mean - half, mean + half
-
-
-def interval(metric, b, a=None, resamples=2000, seed=0):
-    """The mean over runs of metric(b) - metric(a) (a None: of metric(b)) and its 95% interval.
-    a, b: (R, S, N, K) counts of replicate r, fine-tuning seed s and test example n, paired; metric:
-    (..., K) totals -> (...) score. Two variances add up: the runs', from the spread of the
-    replicate means (each the mean over its seeds, so the seeds' spread is in it; with one
-    replicate, from the spread of the seeds, and pretraining noise is not counted), and the test
-    examples', from a bootstrap that draws N examples with replacement and recomputes the metric
-    from every run's counts (F1 is not a mean over examples). The t quantile takes Satterthwaite's
-    degrees of freedom: the top level's units - 1 when the runs' variance dominates, more as the
-    examples' does. On simulated data it covers a known difference 93.6-94.7% of the time with 3
-    to 8 replicates and 88.9% with 2, where a percentile bootstrap at every level covered 76.7%
-    with 3 replicates when pretraining noise dominates (tests/test_stats.py)."""
-    R, S, N, K = b.shape
-    arms = [b] if a is None else [b, a]
-
-    def difference(scores):
-        return scores[0] if a is None else scores[0] - scores[1]
-
-    runs = difference([metric(x.sum(2)) for x in arms])  # (R, S)
-    top = runs.mean(1) if R > 1 else runs[0]  # the independent units at the top level
-    v_runs = float(top.var(ddof=1)) / len(top) if len(top) > 1 else 0.0
-    w = np.random.default_rng(seed).multinomial(N, np.full(N, 1 / N), resamples).astype(np.float64)
-    drawn = [(w @ x.transpose(2, 0, 1, 3).reshape(N, -1)).reshape(resamples, R, S, K) for x in arms]
-    boot = difference([metric(x) for x in drawn])  # (resamples, R, S): each run on each draw
-    v_examples = float(boot.mean((1, 2)).var(ddof=1))
-    v = v_runs + v_examples
-    df = v * v / (v_runs * v_runs / (len(top) - 1)) if v_runs > 0 else math.inf
-    half = t_quantile(0.975, df) * math.sqrt(v)
-    mean = float(runs.mean())
-    return {"mean": mean, "low": mean - half, "high": mean + half, "half": half,
-            "units": len(top), "level": "replicates" if R > 1 else "seeds", "df": df,
-            "sd_runs": math.sqrt(v_runs), "sd_examples": math.sqrt(v_examples)}
-
-
-def verdict(low, high, above="better", below="worse"):
-    """Words that follow from an interval of a difference: `above` or `below` only when it
-    excludes 0."""
-    if low is None or high is None:
-        return "no interval"
-    return above if low > 0 else below if high < 0 else "no detectable difference"
-
-
-def choose_on_dev(dev):
-    """The setting whose runs have the highest mean dev score ({setting: dev scores}); the first
-    on a tie. Test scores never enter: they are read once, for the chosen setting."""
-    means = {setting: float(np.mean(scores)) for setting, scores in dev.items()}
-    return max(means, key=lambda setting: (means[setting], -list(means).index(setting)))
-
-
-def collapsed(dev_scores, dev_baseline, constant):
-    """Why an arm has learned nothing a metric can rank, or None: its mean dev score is not above
-    the majority baseline's, or more than half of its runs predict one label for every test
-    example (`constant`: one bool per run)."""
-    if np.mean(dev_scores) <= dev_baseline:
-        return "dev score not above the majority baseline"
-    if 2 * sum(constant) > len(constant):
-        return f"{sum(constant)} of {len(constant)} runs predict one label for every test example"
-    return None
-
+# CKA: per layer, how alike two models represent the same texts. The signal is the pair's
+# divergence 1 - CKA against seed noise: the divergence between two runs of the reference method
+# that differ only in their training seed (the seed controls), and the band rule below.
 
 BAND_RULE = ("outside the band: the pair's mean 1 - CKA over its replicates lies above the "
              "controls' one-sided 95% prediction bound, mean + t(0.95, k - 1) * sqrt(sd^2 (1/k + "
-             "1/m) + sd_draws^2 / draws) (k controls, m replicates; sd_draws: how much the pair's "
-             "mean moves between draws of texts), so a layer where the pair is no farther apart "
-             "than seed noise is marked outside at most 5% of the time")
+             "1/m) + sd_draws^2 / draws) (k controls that share no run with each other, m "
+             "replicates; sd_draws: how much the pair's mean moves between draws of texts), so a "
+             "layer where the pair is no farther apart than seed noise is marked outside at most 5% "
+             "of the time (measured: 4.3% on simulated runs built as the study builds them; "
+             "controls that share runs, as A1-A2, A1-A3, A2-A3, gave 6.3%)")
 
 
 def band(pair, controls, draw_sd=0.0, draws=1):
@@ -273,10 +173,15 @@ def band(pair, controls, draw_sd=0.0, draws=1):
             "outside": None if bound is None else bool(np.mean(pair) > bound)}
 
 
-# ----------------------------------------------------------------------------
-# CKA: per layer, how alike two models represent the same texts. The signal is the pair's
-# divergence 1 - CKA against seed noise: the divergence between two runs of the reference method
-# that differ only in their seeds (the seed controls), and the band rule of the statistics above.
+def control_pairs(m, k):
+    """The seed controls as pairs of runs that share no run with each other, over the runs
+    [A_1..A_m, B_1..B_m, C_1..C_k] (C: more runs of A's method): A_j with C_j (the same data
+    order, another training seed, as the study trains them), then the runs left over two by two.
+    Controls that share a run (A1-A2, A1-A3, A2-A3) are correlated: their spread understates seed
+    noise and the band errs more often than it says."""
+    partnered = [(j, 2 * m + j) for j in range(min(m, k))]
+    left = list(range(min(m, k), m)) + [2 * m + j for j in range(min(m, k), k)]
+    return partnered + list(zip(left[0::2], left[1::2]))
 
 
 def linear_cka(X, Y):
@@ -314,10 +219,10 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
         out="cka.json", batch_size=16, tokenizer=None, device="auto"):
     """Per-layer CKA of model A and model B, mean over the sampling seeds (draws of n texts),
     against seed noise. model_a, model_b: a model each, or lists of replicates, A's r-th paired
-    with B's r-th. The seed controls: every two replicates of A, and A's first with each of
-    `controls` (more runs of A's method). names: what to call A and B (default: the first
-    replicates' folder names). Writes out (JSON, every draw kept) and a PNG beside it; returns
-    the dict of cka_summary."""
+    with B's r-th. controls: more runs of A's method, control j trained like A's j-th replicate
+    but for its training seed; the seed controls are pairs that share no run (control_pairs).
+    names: what to call A and B (default: the first replicates' folder names). Writes out (JSON,
+    every draw kept) and a PNG beside it; returns the dict of cka_summary."""
     a_runs, b_runs = as_list(model_a), as_list(model_b)
     if len(a_runs) != len(b_runs):
         raise InputError(f"{len(a_runs)} replicates of model A but {len(b_runs)} of model B; "
@@ -342,15 +247,13 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
             raise InputError(f"{info['path']}: its block outputs hold NaN or inf on {texts}")
         del model
     m = len(a_runs)
-    pairs = [(r, m + r) for r in range(m)]
-    control_pairs = [(r, q) for r in range(m) for q in range(r + 1, m)]
-    control_pairs += [(0, 2 * m + j) for j in range(len(controls))]
+    pairs, seed_controls = [(r, m + r) for r in range(m)], control_pairs(m, len(controls))
     per_seed = {}
     for seed, draw in draws.items():
         rows = np.searchsorted(union, draw)
         per_seed[seed] = {key: [[linear_cka(features[i][layer, rows], features[j][layer, rows])
                                  for layer in range(len(features[i]))] for i, j in which]
-                          for key, which in (("pairs", pairs), ("controls", control_pairs))}
+                          for key, which in (("pairs", pairs), ("controls", seed_controls))}
         if any(math.isnan(x) for rows in per_seed[seed].values() for row in rows for x in row):
             raise InputError(f"{texts}: the {n} texts drawn with seed {seed} give every text the "
                              f"same features in some layer: CKA is undefined there (are the texts "
@@ -359,7 +262,7 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
               **cka_summary(per_seed), "per_seed": per_seed,
               "args": dict(model_a=list(map(str, a_runs)), model_b=list(map(str, b_runs)),
                            texts=str(texts), n=n, controls=list(map(str, controls)),
-                           control_pairs=[[str(paths[i]), str(paths[j])] for i, j in control_pairs],
+                           control_pairs=[[str(paths[i]), str(paths[j])] for i, j in seed_controls],
                            seeds=list(seeds), max_len=max_len, tokenizer=tokenizer)}
     save(out, result)
     from machinery.report import cka_markdown, plot_cka  # rendering: matplotlib only here
@@ -373,7 +276,7 @@ def cka_summary(per_seed):
     each replicate, its 95% t interval over replicates and how much it moves between draws; with
     controls, their divergences, the band (BAND_RULE) and the ratio, the pair's divergence over the
     controls' mean, with its interval over replicates (None where the controls do not diverge:
-    below 1e-12 is float64 rounding of zero)."""
+    below 1e-12 is float64 rounding of zero), and the ratio's trend with depth (`trend`)."""
     pairs = 1 - np.array([s["pairs"] for s in per_seed.values()])  # (draws, m, L)
     draws, m, L = pairs.shape
     each = pairs.mean(0)  # (m, L)
@@ -395,7 +298,21 @@ def cka_summary(per_seed):
     r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands],
                  "rule": BAND_RULE}
     r["ratio"] = {key: [x[i] for x in ratios] for i, key in enumerate(("mean", "low", "high"))}
+    if all(b["mean"] >= 1e-12 for b in bands) and L > 1:
+        r["trend"] = trend(each / np.array([b["mean"] for b in bands]))
     return r
+
+
+def trend(ratios):
+    """How the divergence over seed noise changes with depth, the paper's signature (lower blocks
+    move most): per replicate the least-squares slope of its ratio against the block index, their
+    mean with a 95% t interval over replicates, and the words the interval allows."""
+    layers = np.arange(ratios.shape[1], dtype=np.float64)
+    slopes = [float(np.polyfit(layers, row, 1)[0]) for row in ratios]  # ratio units per block
+    mean, low, high = t_interval(slopes)
+    return {"slope": mean, "low": low, "high": high, "each": slopes,
+            "verdict": verdict(low, high, "rises with depth", "falls with depth").replace(
+                "no detectable difference", "no detectable trend")}
 
 
 # ----------------------------------------------------------------------------
@@ -422,6 +339,14 @@ class Kind:
         """Every metric of predictions against gold labels; labels: the task's "scored" labels."""
         totals = self.counts(gold, preds, self.columns(gold, preds, labels)).sum(0)
         return {metric: float(value) for metric, value in self.metrics(totals).items()}
+
+    def fill(self, label, gold):
+        """`label` (the majority's) predicted for every example of gold."""
+        return [label for _ in gold]
+
+    def permute(self, preds, rng):
+        """Chance: the predictions dealt to the examples in a random order (rng: numpy's)."""
+        return [preds[i] for i in rng.permutation(len(preds))]
 
 
 class TokenClassification(Kind):
@@ -484,12 +409,17 @@ class TokenClassification(Kind):
         return {"entity_f1": entity_f1_from_counts(t[..., :3]), "macro_f1": macro,
                 "micro_f1": micro, "accuracy": t[..., -2] / np.maximum(t[..., -1], 1)}
 
-    def constant(self, preds):
-        return len({t for tags in preds for t in tags}) <= 1
+    def majority(self, train):
+        return most_common(t for ex in train for t in ex["label"])
 
-    def majority(self, train, examples):
-        top = most_common(t for ex in train for t in ex["label"])
-        return [[top] * len(ex["words"]) for ex in examples]
+    def fill(self, tag, gold):
+        return [[tag] * len(tags) for tags in gold]
+
+    def permute(self, preds, rng):  # the tags dealt to the words: sentence lengths kept
+        tags = [t for p in preds for t in p]
+        tags = [tags[i] for i in rng.permutation(len(tags))]
+        ends = np.cumsum([len(p) for p in preds])
+        return [tags[end - len(p):end] for p, end in zip(preds, ends)]
 
 
 class SequenceClassification(Kind):
@@ -528,9 +458,6 @@ class SequenceClassification(Kind):
         accuracy = t[..., -2] / np.maximum(t[..., -1], 1)
         return {"macro_f1": macro, "micro_f1": micro, "accuracy": accuracy}
 
-    def constant(self, preds):
-        return len({repr(p) for p in preds}) <= 1
-
 
 def fit_pair(a, b, budget):
     """Cut the longer of two id lists first, a token at a time (ties cut b), to fit the budget."""
@@ -556,9 +483,8 @@ class SingleLabel(SequenceClassification):
     def decode(self, logits, target, example, labels):
         return labels[logits.argmax()]
 
-    def majority(self, train, examples):
-        top = most_common(ex["label"] for ex in train)
-        return [top for _ in examples]
+    def majority(self, train):
+        return most_common(ex["label"] for ex in train)
 
 
 class MultiLabel(SequenceClassification):
@@ -582,9 +508,9 @@ class MultiLabel(SequenceClassification):
     def decode(self, logits, target, example, labels):
         return [label for label, z in zip(labels, logits) if z > 0]
 
-    def majority(self, train, examples):  # every label more than half of the train examples carry
+    def majority(self, train):  # every label more than half of the train examples carry
         counts = Counter(x for ex in train for x in ex["label"])
-        return [sorted(x for x in counts if counts[x] > len(train) / 2) for _ in examples]
+        return sorted(x for x in counts if counts[x] > len(train) / 2)
 
 
 KINDS = {kind.name: kind for kind in (TokenClassification(), SingleLabel(), MultiLabel())}
@@ -597,19 +523,21 @@ def kind_of(task, ner_mode="default"):
 
 # ----------------------------------------------------------------------------
 # Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16, 10
-# epochs (20 for token classification); the epoch with the best dev score is scored on test.
+# epochs (20 for token classification), or a budget in optimizer steps (--steps: a small task
+# is then not starved, a large one not over-read); dev is scored at evenly spaced points and the
+# best point's weights are scored once on test.
 
 
 @dataclass
 class Settings:
     """What every (task, seed) run of one `finetune` call shares."""
-    epochs: int  # None: the task kind's default
+    epochs: int  # None: the task kind's default (when steps is None)
+    steps: int  # optimizer steps per (task, seed); None: epochs over train
+    evals: int  # dev evaluations spread evenly over the steps; None: one per epoch (4 with steps)
     lr: float
     max_len: int
     batch_size: int
     pooling: str
-    train_subset: int  # None: every example
-    eval_subset: int
     pad_id: int
     device: torch.device
     ner_mode: str = "default"  # how entities are read from IOB2 tags (NER_MODES)
@@ -674,49 +602,77 @@ def optimizer_for(model, lr):
         {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
 
 
-def train_seed(base, task, data, seed, s):
-    """Fine-tune a copy of base on data["train"] = (examples, encoded); the epoch with the best dev
-    primary metric is scored on test. Returns {"dev", "best_epoch", "test", "seconds"} and the test
-    predictions."""
-    kind = kind_of(task, s.ner_mode)
+def length_grouped(lengths, batch_size, generator, group=64):
+    """One epoch's batches: the examples in a random order, cut into runs of `group` batches, each
+    run sorted by length and cut into batches, the batches shuffled. Little padding (a batch pads to
+    its longest example), a random order of batches; Hugging Face's group_by_length does the same."""
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    batches = []
+    for i in range(0, len(order), group * batch_size):
+        run = sorted(order[i:i + group * batch_size], key=lambda j: lengths[j])
+        batches += [run[k:k + batch_size] for k in range(0, len(run), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def budget(kind, n_train, s):
+    """(optimizer steps, the steps after which dev is scored): epochs over train; or s.steps, at
+    most s.epochs over train when both are given (a small task is not read fifty times over); dev
+    after each epoch, or at s.evals evenly spaced points (the last one the final step)."""
+    per_epoch = math.ceil(n_train / s.batch_size)
     epochs = kind.epochs if s.epochs is None else s.epochs
+    total = (epochs * per_epoch if s.steps is None else
+             min(s.steps, s.epochs * per_epoch) if s.epochs else s.steps)
+    evals = min(total, s.evals or (4 if s.steps else epochs))
+    return total, sorted({round(total * i / evals) for i in range(1, evals + 1)})
+
+
+def train_seed(base, task, data, seed, s):
+    """Fine-tune a copy of base on data["train"] = (examples, encoded); the point with the best dev
+    primary metric is scored on test. Returns {"dev", "best_step", "steps", "test", "seconds"} and
+    the dev and test predictions at that point."""
+    kind = kind_of(task, s.ner_mode)
+    train = data["train"][1]
+    steps, points = budget(kind, len(train), s)
     torch.manual_seed(seed)  # the classifier init and dropout
     model = Classifier(copy.deepcopy(base), len(task["labels"]), kind.per_token, s.pooling)
     model = model.to(s.device)
     optimizer = optimizer_for(model, s.lr)
-    train = data["train"][1]
-    steps = epochs * math.ceil(len(train) / s.batch_size)
     # linear decay to 0 and no warmup: with few steps per epoch a warmup would take a large share
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
-    shuffle = torch.Generator().manual_seed(seed)
-    best, start = None, time.time()
-    for epoch in range(1, epochs + 1):
-        model.train()
-        losses = []
-        for idx in torch.randperm(len(train), generator=shuffle).split(s.batch_size):
-            ids, mask, targets = collate([train[i] for i in idx], kind, s.pad_id, s.device)
-            with autocast(s.device):
-                logits = model(ids, mask)
-            loss = kind.loss(logits.float(), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's max_grad_norm
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.detach())
-        train_loss = torch.stack(losses).mean().item()
+    shuffle, lengths = torch.Generator().manual_seed(seed), [len(ids) for ids, _ in train]
+    batches = (b for _ in iter(int, 1) for b in length_grouped(lengths, s.batch_size, shuffle))
+    best, losses, start = None, [], time.time()
+    model.train()
+    for step, idx in zip(range(1, steps + 1), batches):
+        ids, mask, targets = collate([train[i] for i in idx], kind, s.pad_id, s.device)
+        with autocast(s.device):
+            logits = model(ids, mask)
+        loss = kind.loss(logits.float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # HF Trainer's max_grad_norm
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.detach())
+        if step not in points:
+            continue
+        train_loss, losses = torch.stack(losses).mean().item(), []
         if not math.isfinite(train_loss):
-            raise diverged(task, s, f"seed {seed} epoch {epoch}: train loss {train_loss}")
-        dev, _ = evaluate(model, task, data["dev"], s)
+            raise diverged(task, s, f"seed {seed} step {step}: train loss {train_loss}")
+        dev, dev_preds = evaluate(model, task, data["dev"], s)
         better = best is None or dev[kind.primary] > best["dev"][kind.primary]
-        if better:  # the best epoch's weights, kept in memory
-            best = {"dev": dev, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
-        print(f"  seed {seed} epoch {epoch}/{epochs}: train loss {train_loss:.4f}, dev "
-              f"{kind.primary} {dev[kind.primary]:.4f}{' (best)' if better else ''}, "
-              f"{time.time() - start:.0f} s", flush=True)
+        if better:  # the best point's weights, kept in memory
+            best = {"dev": dev, "best_step": step, "state": copy.deepcopy(model.state_dict()),
+                    "dev_predictions": dev_preds}
+        print(f"  seed {seed} step {step}/{steps} (epoch {step * s.batch_size / len(train):.1f}): "
+              f"train loss {train_loss:.4f}, dev {kind.primary} {dev[kind.primary]:.4f}"
+              f"{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
+        model.train()
     model.load_state_dict(best.pop("state"))
+    dev_preds = best.pop("dev_predictions")
     test, preds = evaluate(model, task, data["test"], s)
-    return {**best, "test": test, "seconds": round(time.time() - start, 2)}, preds
+    return {**best, "steps": steps, "test": test, "seconds": round(time.time() - start, 2)}, \
+        {"dev": dev_preds, "test": preds}
 
 
 def subset(examples, n):
@@ -727,19 +683,38 @@ def subset(examples, n):
     return [examples[i] for i in np.sort(drawn)]
 
 
-def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, lr=5e-5,
-             max_len=512, train_subset=None, eval_subset=None, batch_size=16, pooling="cls",
-             ner_mode="default", device="auto", tokenizer=None):
+def carve_dev(task, dev_min):
+    """(train, dev, how): a dev set smaller than dev_min is topped up to dev_min with examples drawn
+    from train (a fixed draw; they leave train), so that choices and the informative rule rest on
+    enough examples. 50 dev examples move a score by 1/50 per example."""
+    train, own = task["train"], task["dev"]
+    carved = max(0, dev_min - len(own))
+    if carved >= len(train):
+        raise InputError(f"{task['name']}: --dev_min={dev_min} would move {carved} examples from "
+                         f"train to dev, but train holds {len(train)} (at most {len(train) - 1} can "
+                         f"move; dev holds {len(own)})")
+    drawn = set(np.random.default_rng(0).choice(len(train), carved, replace=False).tolist())
+    moved = [{**ex, "from": "train"} for i, ex in enumerate(train) if i in drawn]
+    return ([ex for i, ex in enumerate(train) if i not in drawn], own + moved,
+            {"own": len(own), "carved_from_train": carved, "dev_min": dev_min})
+
+
+def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, steps=None,
+             evals=None, lr=5e-5, max_len=512, train_subset=None, dev_subset=None, test_subset=None,
+             dev_min=0, batch_size=16, pooling="cls", ner_mode="default", device="auto",
+             tokenizer=None):
     """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and
-    returns it. Each (task, seed) is written with its test predictions to OUT.seeds/ when done,
-    under a name keyed on a fingerprint of the settings, the model's weights and the task files'
-    contents: a later call reuses exactly the pairs whose inputs did not change."""
+    returns it. Each (task, seed) is written with its dev and test predictions to OUT.seeds/ when
+    done, under a name keyed on a fingerprint of the settings, the model's weights, the task files'
+    contents and the code that fine-tunes: a later call reuses exactly the pairs whose inputs did
+    not change."""
     tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
     names = [t["name"] for t in tasks]
     if len(set(names)) < len(names):
         raise InputError(f"task folders must have distinct names, got {names}")
     if len(set(seeds)) < len(seeds):
         raise InputError(f"seeds must be distinct (a seed run twice counts twice): {list(seeds)}")
+    splits = {t["name"]: carve_dev(t, dev_min) for t in tasks}  # a bad --dev_min ends here too
     info = inspect_model(model)
     tok = model_tokenizer(info, tokenizer)
     device = pick_device(device)
@@ -749,44 +724,57 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     except OSError as e:
         raise InputError(f"{seed_dir}: cannot create it ({e.strerror or e})") from None
     base = load_weights(info, device)
-    s = Settings(epochs, lr, max_len, batch_size, pooling, train_subset, eval_subset, tok.pad_id,
-                 device, ner_mode)
-    args = dict(model=str(model), seeds=list(seeds), epochs=epochs, lr=lr, max_len=max_len,
-                train_subset=train_subset, eval_subset=eval_subset, batch_size=batch_size,
-                pooling=pooling, ner_mode=ner_mode, tokenizer=tok.spec)
+    s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device,
+                 ner_mode)
+    args = dict(model=str(model), seeds=list(seeds), epochs=epochs, steps=steps, evals=evals, lr=lr,
+                max_len=max_len, train_subset=train_subset, dev_subset=dev_subset,
+                test_subset=test_subset, dev_min=dev_min, batch_size=batch_size, pooling=pooling,
+                ner_mode=ner_mode, tokenizer=tok.spec)
     inputs = {**args, "model": info["sha256"], "config": repr(info["config"]), "seeds": None,
               "tokenizer": tok.fingerprint, "device": device.type,  # what the numbers depend on
-              "metrics": 2}  # 2: accuracy beside F1
+              "code": source_digest(__file__, sys.modules["model"].__file__)}
     results = {"model": str(model), "args": args, "tasks": {}}
     for task in tasks:
-        results["tasks"][task["name"]] = finetune_task(base, tok, task, seeds, s, inputs, seed_dir)
+        train, dev, how = splits[task["name"]]
+        examples = {"train": subset(train, train_subset), "dev": subset(dev, dev_subset),
+                    "test": subset(task["test"], test_subset)}
+        results["tasks"][task["name"]] = finetune_task(base, tok, task, examples, how, seeds, s,
+                                                       inputs, seed_dir)
         save(out, results)
     return results
 
 
-def finetune_task(base, tok, task, seeds, s, inputs, seed_dir):
+def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_dir):
     """One task: encoded, fine-tuned once per seed (or a seed's saved result reused), summarised
     beside the majority baseline: mean and sample std (ddof=1; 0 for one seed) of each metric."""
     kind = kind_of(task, s.ner_mode)
-    examples = {split: subset(task[split], s.train_subset if split == "train" else s.eval_subset)
-                for split in SPLITS}
     data = {split: (examples[split], kind.encode(task["labels"], examples[split], tok, s.max_len))
             for split in SPLITS}
-    epochs = kind.epochs if s.epochs is None else s.epochs
+    steps, points = budget(kind, len(examples["train"]), s)
+    carved = dev_split["carved_from_train"]
     print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
-          f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples, {epochs} epochs")
+          f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples"
+          + (f" (dev: {dev_split['own']} of its own and {carved} moved from train, --dev_min="
+             f"{dev_split['dev_min']})" if carved else "")
+          + f", {steps} steps of {s.batch_size} ({steps * s.batch_size / len(examples['train']):.1f}"
+          f" epochs), dev scored {len(points)} times")
     every = [[x for split in SPLITS for x in data[split][part]] for part in (0, 1)]
     print("  train, dev and test: " + kind.truncation(*every, s.max_len))
     inputs = {**inputs, "task": task["name"], "kind": kind.name, "sha256": task["sha256"]}
-    def run(seed):  # the result, and each test example's index, line, gold label and prediction
+
+    def rows(split, preds):  # each example's index, line, origin, gold label and prediction
+        return [{"index": ex["index"], "line": ex["line"], "from": ex.get("from", split),
+                 "gold": ex["label"], "pred": p} for ex, p in zip(data[split][0], preds)]
+
+    def run(seed):
         result, preds = train_seed(base, task, data, seed, s)
-        return result, [{"index": ex["index"], "line": ex["line"], "gold": ex["label"], "pred": p}
-                        for ex, p in zip(data["test"][0], preds)]
+        return result, {split: rows(split, p) for split, p in preds.items()}
 
     runs = {str(seed): cached_seed(seed_dir, task, inputs, seed, lambda: run(seed)) for seed in seeds}
-    baseline = {split: kind.score([ex["label"] for ex in examples[split]],
-                                  kind.majority(task["train"], examples[split]), task["scored"])
-                for split in ("dev", "test")}
+    top = kind.majority(task["train"])
+    gold = {split: [ex["label"] for ex in examples[split]] for split in ("dev", "test")}
+    baseline = {split: kind.score(gold[split], kind.fill(top, gold[split]), task["scored"])
+                for split in gold}
     values = {m: [r["test"][m] for r in runs.values()] for m in baseline["test"]}
     mean = {m: float(np.mean(v)) for m, v in values.items()}
     std = {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()}
@@ -794,93 +782,18 @@ def finetune_task(base, tok, task, seeds, s, inputs, seed_dir):
           f"{100 * std[kind.primary]:.2f} over {len(seeds)} seeds; majority baseline "
           f"{100 * baseline['test'][kind.primary]:.2f}")
     return {"task": task["name"], "kind": kind.name, "labels": task["labels"],
-            "scored": task["scored"], "primary": kind.primary, "epochs": epochs,
+            "scored": task["scored"], "primary": kind.primary, "steps": steps,
             "ner_mode": s.ner_mode if kind.name == "token" else None, "files": task["files"],
-            "sha256": task["sha256"], "seeds": runs, "mean": mean, "std": std,
-            "baseline": baseline}
-
-
-# ----------------------------------------------------------------------------
-# Comparing fine-tuned arms: each arm's setting chosen on dev, collapse flagged, and every arm's
-# difference to a reference arm with its interval and the words the interval allows.
-
-
-def compare(arms, reference=None):
-    """arms: {arm: {setting: [results files of `finetune`, one per replicate]}}, the reference
-    (default: the first arm) among them. Per task: the majority baseline, the fine-tuning seeds
-    every run shares (the pairing), and per arm the setting chosen on dev, the mean dev score per
-    setting, the test score (primary metric) with its interval, accuracy, why it collapsed (or
-    None), and its difference to the reference (interval and verdict; no verdict when either has
-    collapsed)."""
-    reference = reference or next(iter(arms))
-    if reference not in arms:
-        raise InputError(f"reference arm {reference!r} is not among the arms {list(arms)}")
-    loaded = {arm: {setting: [(Path(f), load_results(f)) for f in files]
-                    for setting, files in settings.items()} for arm, settings in arms.items()}
-    every = [r for settings in loaded.values() for runs in settings.values() for r in runs]
-    if len({len(runs) for settings in loaded.values() for runs in settings.values()}) > 1:
-        raise InputError("the arms have different numbers of replicates; replicate r of every arm "
-                         "pairs with replicate r of the others")
-    names = [t for t in every[0][1]["tasks"] if all(t in r["tasks"] for _, r in every)]
-    return {task: compare_task(loaded, reference, task) for task in names}
-
-
-def compare_task(loaded, reference, task):
-    runs = [r["tasks"][task] for settings in loaded.values() for files in settings.values()
-            for _, r in files]
-    first = runs[0]
-    kind = kind_of(first, first.get("ner_mode") or "default")
-    seeds = [s for s in first["seeds"] if all(s in t["seeds"] for t in runs)]
-    metric = first["primary"]
-    rows, counts, preds = {}, {}, {}
-    for arm, settings in loaded.items():
-        dev = {setting: [t["tasks"][task]["seeds"][s]["dev"][metric] for _, t in files
-                         for s in seeds] for setting, files in settings.items()}
-        chosen = choose_on_dev(dev)
-        preds[arm] = [[read_predictions(path, t["tasks"][task], s) for s in seeds]
-                      for path, t in settings[chosen]]
-        rows[arm] = {"setting": chosen, "dev": {k: float(np.mean(v)) for k, v in dev.items()},
-                     "runs": len(preds[arm]) * len(seeds)}
-    gold = preds[reference][0][0][0]
-    if any(g != gold for p in preds.values() for rep in p for g, _ in rep):
-        raise InputError(f"{task}: the arms were scored on different test examples")
-    every = [ys for p in preds.values() for rep in p for _, ys in rep]
-    columns = kind.columns(gold, [y for ys in every for y in ys], first["scored"])
-    for arm, p in preds.items():
-        counts[arm] = np.array([[kind.counts(gold, ys, columns) for _, ys in rep] for rep in p])
-
-    def primary(totals):
-        return kind.metrics(totals)[metric]
-
-    base = first["baseline"]
-    for arm, row in rows.items():
-        constant = [kind.constant(ys) for rep in preds[arm] for _, ys in rep]
-        dev_runs = [t["tasks"][task]["seeds"][s]["dev"][metric]
-                    for _, t in loaded[arm][row["setting"]] for s in seeds]
-        row["collapsed"] = collapsed(dev_runs, base["dev"][metric], constant)
-        row["test"] = clip(interval(primary, counts[arm]), 0, 1)
-        row["accuracy"] = float(kind.metrics(counts[arm].sum(2))["accuracy"].mean())
-    for arm, row in rows.items():
-        if arm != reference:
-            row["difference"] = d = clip(interval(primary, counts[arm], counts[reference]), -1, 1)
-            fell = [who for who, a in (("this arm", arm), ("the reference", reference))
-                    if rows[a]["collapsed"]]
-            d["verdict"] = (f"not compared: {' and '.join(fell)} collapsed" if fell
-                            else verdict(d["low"], d["high"]))
-    return {"kind": kind.name, "metric": metric, "baseline": base, "seeds": seeds,
-            "ner_mode": first.get("ner_mode"), "replicates": len(preds[reference]),
-            "reference": reference, "arms": rows}
-
-
-def clip(iv, low, high):
-    """An interval cut to the values its metric can take (F1 and accuracy lie in [0, 1])."""
-    return {**iv, "low": max(iv["low"], low), "high": min(iv["high"], high)}
+            "sha256": task["sha256"], "dev_split": dev_split, "majority": top,
+            "examples": {split: len(examples[split]) for split in SPLITS}, "seeds": runs,
+            "mean": mean, "std": std, "baseline": baseline}
 
 
 def table(files, reference=None):
-    """Print and return the comparison of results files of `finetune`: each file an arm, or several
-    separated by commas, the replicates of one arm (replicate r of each arm paired); the first
-    arm is the reference unless --reference names another. An arm is named by its first file."""
+    """Print and return the comparison of results files of `finetune` (machinery/compare.py): each
+    file an arm, or several separated by commas, the replicates of one arm (replicate r of each arm
+    paired); the first arm is the reference unless --reference names another. An arm is named by
+    its first file."""
     if len(set(map(str, files))) < len(files):
         raise InputError(f"a results file is given twice: {list(map(str, files))}")
     arms = {}
@@ -889,9 +802,14 @@ def table(files, reference=None):
         name = Path(runs[0]).stem if Path(runs[0]).stem not in arms else runs[0]
         arms[name] = {"-": runs}
     from machinery.report import finetune_markdown  # rendering lives with the machinery
-    text = finetune_markdown(compare(arms, reference))
+    text = finetune_markdown(compare(arms, task_kind, reference))
     print(text, end="")
     return text
+
+
+def task_kind(entry):
+    """The kind of a task as a results file records it (what machinery/compare.py needs)."""
+    return kind_of(entry, entry.get("ner_mode") or "default")
 
 
 # ----------------------------------------------------------------------------

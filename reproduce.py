@@ -41,9 +41,11 @@ of the stages it depends on. A command whose stages differ from the ones in OUT 
 task file or flag) is refused, naming the stages that differ: use a new --out. Refused rather than re-run in
 place, because re-running would delete the finished runs of the first command, and a report must never mix two.
 """
+import argparse
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,37 +67,45 @@ HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no mod
 # detour's arms are half as long as with one replicate (500k tokens; 1M moved every layer outside the band before),
 # the biphasic budget B is 80 steps (200 with one replicate) and its grid two learning rates and two seeds.
 
+# cpu: every test example; 300 optimizer steps per task and seed, at most 3 epochs (ncbi_disease and chemprot
+# read about 1 epoch, pubmedqa's 300 train examples 3: 57 steps); dev scored twice on at most 1,000 examples;
+# pubmedqa's 50-example dev set topped up to 200 from train. Measured on the detour's models: 300-400 steps take
+# ncbi_disease to entity F1 ~0.70 and chemprot to macro-F1 ~0.30 (its majority: 0.04), where 500 examples x 2
+# epochs left chemprot at its baseline. About 6 min of one core per model and seed.
+CPU_FT = dict(seeds="42,43", steps=300, epochs=3, evals=2, dev_subset=1000, dev_min=200, max_len=128)
+# smoke: a few steps on subsets (dev_min 60 moves 10 of pubmedqa's train examples to its 50-example dev set)
+SMOKE_FT = dict(seeds="42,43,44", steps=4, epochs=2, evals=2, train_subset=32, dev_subset=16, test_subset=16,
+                dev_min=60, max_len=64)
 DETOUR = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", general_bytes=200_000, start_tokens=30_720, arm_tokens=10_240,
                   replicates=2, eval_interval=2, cka=dict(n=32, seeds="42,43,44", max_len=128),
                   needle=dict(shortest=64, depths="0,50,100", n=4),
-                  ft=dict(seeds="42,43,44", epochs=1, train_subset=32, eval_subset=16, max_len=64), lrs=[1e-3]),
+                  ft=SMOKE_FT, lrs=[1e-3]),
     "cpu": dict(recipe="cpu", tokenizer=8192, general_bytes=2_000_000, start_tokens=2_000_000, arm_tokens=500_000,
                 replicates=3, eval_interval=10, cka=dict(n=300, seeds="42,43,44", max_len=256),
                 needle=dict(shortest=64, depths="0,25,50,75,100", n=30),
-                ft=dict(seeds="42,43,44", epochs=2, train_subset=500, eval_subset=200, max_len=128),
-                lrs=[5e-4]),
+                ft=CPU_FT, lrs=[5e-4]),
     "paper": dict(recipe="paper", start="answerdotai/ModernBERT-base", arm_tokens=10_000_000_000, replicates=3,
                   eval_interval=None, cka=dict(n=500, seeds="42,43,44", max_len=512),
                   needle=dict(shortest=512, depths="0,25,50,75,100", n=100),
-                  ft=dict(seeds="42,43,44,45,46", max_len=512), lrs=[5e-5]),
+                  ft=dict(seeds="42,43,44,45,46", max_len=512, dev_min=200), lrs=[5e-5]),
 }
 # B = `steps`, E = `extra_steps`, both multiples of 4 so that every share is whole steps. decay_steps 0: train.py's
 # --decay_frac (the last 10% of a schedule); the paper decays over its last 2k steps. warmup_steps: the cpu recipe's
 # 200k-token warmup would be 30% of its short B, longer than the first CLM share; 10% is what B = 200 steps had.
 BIPHASIC = {
     "smoke": dict(recipe="smoke", tokenizer="bytes", steps=16, extra_steps=12, decay_steps=0, eval_interval=2,
-                  replicates=2, ft=dict(seeds="42,43", epochs=1, train_subset=32, eval_subset=16, max_len=64),
-                  lrs=[1e-3, 3e-3]),
+                  replicates=2, ft={**SMOKE_FT, "seeds": "42,43"}, lrs=[1e-3, 3e-3]),
     "cpu": dict(recipe="cpu", tokenizer=8192, steps=80, extra_steps=24, decay_steps=0, warmup_steps=8,
                 eval_interval=8, replicates=3,
-                ft=dict(seeds="42,43", epochs=2, train_subset=250, eval_subset=200, max_len=128),
-                lrs=[5e-4, 2e-3]),
+                ft={**CPU_FT, "seeds": "42"}, lrs=[3e-4, 1e-3]),
     "paper": dict(recipe="paper", tokenizer="answerdotai/ModernBERT-base", steps=12_000, extra_steps=12_000,
-                  decay_steps=2_000, eval_interval=None, replicates=3, ft=dict(seeds="42,43,44,45,46", max_len=512),
+                  decay_steps=2_000, eval_interval=None, replicates=3,
+                  ft=dict(seeds="42,43,44,45,46", max_len=512, dev_min=200),
                   lrs=[2e-5, 5e-5, 1e-4]),
 }
 SEED, DATA_SEED = 17, 42  # replicate r trains with seed 17 + r - 1 and data order 42 + r - 1 (r = 1: the paper's)
+CONTROL_SEED = 100  # the detour's seed control r: MLM with seed 117 + r - 1 and replicate r's data order
 # Method names for tables and figures (a run's name is its method's key and its replicate: clm-decay-r2), final
 # models first: the order of the tables and of the colours, one per final model in every panel.
 METHODS = {
@@ -103,7 +113,8 @@ METHODS = {
                "clm-freeze-mid-decay": "CLM, middle blocks frozen",
                "clm-decay-freeze-low": "CLM, low blocks frozen in the decay", "start": "start model",
                "mlm": "MLM (Phase 1)", "clm": "CLM detour (Phase 1)", "clm-freeze-low": "CLM, low frozen (Phase 1)",
-               "clm-freeze-mid": "CLM, middle frozen (Phase 1)"},
+               "clm-freeze-mid": "CLM, middle frozen (Phase 1)", "mlm-control-decay": "MLM, seed control (CKA)",
+               "mlm-control": "MLM, seed control (Phase 1)"},
     "biphasic": {"mlm": "MLM only", "clm25-mlm": "CLM 25% then MLM", "clm50-mlm": "CLM 50% then MLM",
                  "clm": "CLM only", "cpt-from-mlm": "MLM-only model + MLM", "cpt-from-clm": "CLM-only model + MLM",
                  "decoder-detour-clm": "CLM-only + MLM detour + CLM", "decoder-clm": "CLM-only + CLM",
@@ -129,9 +140,10 @@ def replicate(name, r):
     return f"{name}-r{r}"
 
 
-def seeds(r):
-    """A replicate's training seed and data-order seed, as train.py flags."""
-    return [f"--seed={SEED + r - 1}", f"--data_seed={DATA_SEED + r - 1}"]
+def seeds(r, control=False):
+    """A replicate's training seed and data-order seed, as train.py flags; its seed control (CKA's) keeps the data
+    order and takes another training seed, so that the control differs from replicate r in its seed alone."""
+    return [f"--seed={SEED + r - 1 + (CONTROL_SEED if control else 0)}", f"--data_seed={DATA_SEED + r - 1}"]
 
 
 def python(script, *args):
@@ -205,14 +217,15 @@ def detour_plan(s, out, a):
         stages, start_needs, start_inputs = more, [], [start] if Path(start).exists() else []
     arm = [*training(s, a.nproc), f"--init_from={start}", "--weights_only", f"--data={out / 'data' / 'corpus'}",
            f"--tokens={s['arm_tokens']}"]
+    # mlm-control: the seed control of CKA, MLM again with replicate r's data order and another training seed
     arms = [("clm", "clm", []), ("mlm", "mlm", []), ("clm-freeze-low", "clm", ["--freeze=low"]),
-            ("clm-freeze-mid", "clm", ["--freeze=mid"])]
+            ("clm-freeze-mid", "clm", ["--freeze=mid"]), ("mlm-control", "mlm", [])]
     decays = [(f"{name}-decay", name, []) for name, _, _ in arms] + [("clm-decay-freeze-low", "clm", ["--freeze=low"])]
     for r in range(1, R + 1):
         for name, phase, flags in arms:
             run_dir = runs / replicate(name, r)
-            stages.append(Stage(replicate(name, r), [*arm, f"--phase={phase}", *flags, *seeds(r),
-                                                     f"--out_dir={run_dir}"],
+            stages.append(Stage(replicate(name, r), [*arm, f"--phase={phase}", *flags,
+                                                     *seeds(r, control=name == "mlm-control"), f"--out_dir={run_dir}"],
                                 ["data-corpus", *start_needs], start_inputs, str(run_dir)))
     for r in range(1, R + 1):
         for name, parent, flags in decays:  # a phase hand-off: the decay continues its arm's run and seeds
@@ -220,12 +233,14 @@ def detour_plan(s, out, a):
             stages.append(Stage(replicate(name, r), [*training(s, a.nproc), "--phase=decay",
                                                      f"--init_from={runs / parent}", *flags, f"--out_dir={run_dir}"],
                                 [parent], run_dir=str(run_dir), continues=parent))
-    for when, suffix in (("before", ""), ("after", "-decay")):  # the MLM replicates' pairs are the seed controls
-        mlm, clm = ([replicate(f"{name}{suffix}", r) for r in range(1, R + 1)] for name in ("mlm", "clm"))
+    for when, suffix in (("before", ""), ("after", "-decay")):  # mlm-r and mlm-control-r: the seed controls
+        mlm, clm, control = ([replicate(f"{name}{suffix}", r) for r in range(1, R + 1)]
+                             for name in ("mlm", "clm", "mlm-control"))
         stages.append(Stage(f"cka-{when}", python(
             "eval.py", "cka", ",".join(str(runs / m) for m in mlm), ",".join(str(runs / m) for m in clm),
-            f"--texts={HELDOUT}", *(f"--{k}={v}" for k, v in s["cka"].items()), "--names=MLM,CLM",
-            f"--out={out / f'cka-{when}.json'}"), mlm + clm, [HELDOUT]))
+            *(f"--control={runs / m}" for m in control), f"--texts={HELDOUT}",
+            *(f"--{k}={v}" for k, v in s["cka"].items()), "--names=MLM,CLM",
+            f"--out={out / f'cka-{when}.json'}"), mlm + clm + control, [HELDOUT]))
     stages.append(needle_stage(s, out, R))
     return stages + finetune_stages(s, out, a.tasks, "detour", R)
 
@@ -345,13 +360,79 @@ def start_tokenizer(start):
 
 
 # -----------------------------------------------------------------------------
+# What a plan can detect: the variance components of a finished report (per task, the replicates', the seeds' and
+# the test examples' shares of each difference's variance), projected onto this plan's replicates, seeds and test
+# sets (machinery/compare.py: `project`, `needed`).
+
+
+def read_components(path):
+    """{task: [variance components of each fine-tuning difference]} of a report.json reproduce.py wrote."""
+    rep = read_json(path, "a report.json of reproduce.py")
+    found = {}
+    for comparison in (rep.get("finetune") or {}).values() if isinstance(rep, dict) else ():
+        for task, t in comparison.get("tasks", {}).items():
+            for row in t["arms"].values():
+                if isinstance(row.get("difference"), dict) and row["difference"].get("components"):
+                    found.setdefault(task, []).append(row["difference"]["components"])
+    if not found:
+        raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
+                         f"them, or one without fine-tuning); name a report.json of this version")
+    return rep, found
+
+
+def power_plan(a, s):
+    """Print, per task, the difference this plan would detect with 80% power (the mean of the source report's
+    components over its compared arms, and the range over them), and with --detect what would reach that."""
+    from machinery.compare import needed, project
+    from machinery.tasks import read_task
+    source = Path(a.components) if a.components else HERE / "docs" / f"{a.study}-cpu" / "report.json"
+    if not source.is_file():
+        if a.components or a.detect:
+            raise InputError(f"--components={source}: not found (a report.json of a finished reproduce.py run)")
+        return print(f"power: no report at {source} to take variance components from (--components names one)")
+    try:
+        rep, found = read_components(source)
+    except InputError as e:
+        if a.components or a.detect:
+            raise
+        return print(f"power: not estimated ({e})")
+    R, S = a.replicates, len(str(s["ft"]["seeds"]).split(","))
+    print(f"power: this plan, {R} replicate(s) x {S} fine-tuning seed(s), with the variance components of {source} "
+          f"(scale {rep.get('scale')}, measured at that run's model and fine-tuning budget; another budget changes "
+          f"them):")
+    for folder in a.tasks:
+        name, total = Path(folder).name, len(read_task(folder)["test"])
+        N = min(total, s["ft"].get("test_subset") or total)
+        if name not in found:
+            print(f"  {name}: the source report holds no comparison on it")
+            continue
+        each = [project(c, R, S, N)["detectable"] for c in found[name]]
+        pooled = {k: (sum(c[k] or 0.0 for c in found[name]) / len(found[name]) if k.endswith("_var") else found[name][0][k])
+                  for k in found[name][0]}
+        if any(c["replicate_var"] is None for c in found[name]):
+            pooled["replicate_var"] = None
+        mean = project(pooled, R, S, N)["detectable"]
+        print(f"  {name}: {N} test examples: detects {100 * mean:.1f} points with 80% power (from "
+              f"{100 * min(each):.1f} to {100 * max(each):.1f} over the source's {len(each)} compared arms)")
+        if a.detect:
+            need = needed(pooled, a.detect / 100, R, S, N, total)
+            ways = [f"{need['replicates']} replicates" if need["replicates"] else "no number of replicates up to 200",
+                    f"{need['seeds']} seeds" if need["seeds"] else "no number of seeds up to 200",
+                    f"{need['examples']} test examples" if need["examples"] else
+                    f"not with test examples alone (all {total} the task holds give "
+                    f"{100 * need['all_examples']:.1f} points)"]
+            print(f"    to detect {a.detect:g} points, one change at a time: " + "; or ".join(ways))
+
+
+# -----------------------------------------------------------------------------
 # The report: OUT/report.md, OUT/report.json and OUT/report.png, from the finished stages of this plan alone. The
 # numbers are gathered here; eval.py computes the intervals and the choices, machinery/report.py writes them out.
 
 
 def report(out, study, scale, s, stages, plan, R):
-    from eval import compare  # imports torch: only the report needs it
+    from eval import task_kind  # imports torch: only the report needs it
     from machinery import report as render
+    from machinery.compare import compare
     from machinery.stages import stage_times
     runs = runs_summary(stages)
     rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], runs=runs,
@@ -361,7 +442,7 @@ def report(out, study, scale, s, stages, plan, R):
         if set(models) <= set(FINETUNED[study]):
             rep["finetune"][title] = compare({m: {f"{lr:g}": [ft_path(out, replicate(m, r), lr)
                                                                for r in range(1, R + 1)] for lr in s["lrs"]}
-                                              for m in models}, base)
+                                              for m in models}, task_kind, base)
     if study == "detour":
         rep["cka"] = {w: as_in_out({k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"},
                                    out) for w in ("before", "after")}
@@ -425,8 +506,9 @@ def runs_summary(stages):
 
 def losses(runs, models, base, R):
     """Per model: its final validation MLM and CLM losses over the replicates, mean and 95% interval; and its
-    paired difference to `base` replicate by replicate, with the verdict (lower is better)."""
-    from eval import t_interval, verdict
+    paired difference to `base` replicate by replicate, with the verdict (lower is better) and the difference a t
+    test over the replicates would detect with 80% power."""
+    from machinery.compare import detectable, t_interval, verdict
     out = {}
     for m in models:
         out[m] = {}
@@ -436,8 +518,11 @@ def losses(runs, models, base, R):
             mean, low, high = t_interval(final)
             entry = dict(each=final, mean=mean, low=low, high=high)
             if m != base:
-                d, dl, dh = t_interval([x - y for x, y in zip(final, ref)])
-                entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"))
+                diffs = [x - y for x, y in zip(final, ref)]
+                d, dl, dh = t_interval(diffs)
+                se = statistics.stdev(diffs) / math.sqrt(R) if R > 1 else None
+                entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"),
+                                           detectable=None if se is None else detectable(se, R - 1))
             out[m][key] = entry
     return out
 
@@ -473,32 +558,44 @@ def model_line(run_dir):
 def what_was_run(rep, study, s, stages):
     """The rows of the report's first table."""
     ft, R = s["ft"], rep["replicates"]
-    subsets = (f"{ft['train_subset']} train / {ft['eval_subset']} dev and test examples per task"
-               if "train_subset" in ft else "the full tasks")
-    epochs = f"{ft['epochs']} epoch(s)" if "epochs" in ft else "eval.py's default epochs"
     first = next(st for st in stages if st.name == replicate(FINAL[study][0], 1))
     tasks = next(st.inputs for st in stages if st.name.startswith("finetune-"))
     seeds_ = ft["seeds"].split(",")
+    lrs = (f"lr {s['lrs'][0]:g} (fixed, not chosen)" if len(s["lrs"]) == 1 else
+           f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each model's chosen on dev)")
     rows = [("study", f"`--study={study}`: {TITLES[study]}"),
             ("scale", f"`{rep['scale']}`: `train.py --recipe={s['recipe']}`"),
             ("model", model_line(first.run_dir)),
             ("replicates", f"{R} pretraining run(s) per arm: replicate r trains with seed {SEED} + r - 1 and data "
                            f"order {DATA_SEED} + r - 1, the same for every arm"),
             ("tokens", budgets(rep, study, s) + "; every run's in the appendix"),
-            ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {subsets}, {ft['max_len']} tokens, "
-                            f"{epochs}; lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each model's chosen on dev); "
-                            f"{len(seeds_)} seeds ({', '.join(seeds_)}) per model, replicate and lr"),
+            ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {fine_tuning_budget(ft)}; "
+                            f"{ft['max_len']} tokens; {lrs}; {len(seeds_)} seeds ({', '.join(seeds_)}) per model, "
+                            f"replicate and lr"),
             ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`")]
     if study == "detour":
         k = rep["cka"]["before"].get("controls", {}).get("k", 0)
         rows.insert(5, ("CKA", f"{s['cka']['n']} held-out texts x {len(s['cka']['seeds'].split(','))} draws, "
-                               f"{s['cka']['max_len']} tokens; {R} MLM-CLM pairs; band: {k} seed control(s) (every "
-                               f"two MLM replicates)"))
+                               f"{s['cka']['max_len']} tokens; {R} MLM-CLM pairs; band: {k} seed control(s), MLM "
+                               f"replicate r against MLM trained on its data order with seed {CONTROL_SEED} more "
+                               f"(no two controls share a run)"))
         a = rep["needle"]["args"]
         rows.insert(6, ("needle", f"{a['n']} held-out examples per length x depth, lengths "
                                   f"{', '.join(map(str, a['lengths']))} (up to the trained {a['lengths'][-1]}), depths "
                                   f"{', '.join(f'{d}%' for d in a['depths'])}; every final model of every replicate"))
     return rows
+
+
+def fine_tuning_budget(ft):
+    """What each (task, seed) of fine-tuning trained on and was scored on, in words."""
+    steps = (f"{ft['steps']} optimizer steps of {ft.get('batch_size', 16)}"
+             + (f" (at most {ft['epochs']} epochs)" if "epochs" in ft else "")
+             if "steps" in ft else f"{ft.get('epochs', 'the default')} epoch(s)")
+    train = f"{ft['train_subset']} train examples" if "train_subset" in ft else "all train examples"
+    dev = f"{ft['dev_subset']} dev examples" if "dev_subset" in ft else "all dev examples"
+    carve = f" (a dev set under {ft['dev_min']} takes examples from train)" if ft.get("dev_min") else ""
+    test = f"{ft['test_subset']} test examples" if "test_subset" in ft else "every test example"
+    return f"{steps}, {train}; chosen on {dev}{carve}, dev scored {ft.get('evals', 4)} times; {test}"
 
 
 def budgets(rep, study, s):
@@ -533,9 +630,26 @@ def parse(argv):
                         help="the training corpus: .jsonl, .txt or .parquet files")
     parser.add_argument("--tasks", nargs="+", default=[str(t) for t in TASKS],
                         help="fine-tuning task folders (train/dev/test .jsonl or .tsv)")
-    parser.add_argument("--dry_run", action="store_true", help="check the inputs and OUT, print every command; run "
-                        "nothing, write nothing")
+    parser.add_argument("--dry_run", action="store_true", help="check the inputs and OUT, print every command and "
+                        "what the plan can detect; run nothing, write nothing")
+    parser.add_argument("--components", default=None, help="--dry_run: the report.json of a finished run whose "
+                        "variance components predict what this plan detects (default: the study's cpu report in "
+                        "docs/)")
+    parser.add_argument("--detect", type=points, default=None, help="--dry_run: a true difference in points (x100 of "
+                        "a task's metric, e.g. 2.8) to detect with 80%% power: says how many replicates, seeds or test "
+                        "examples would")
     return parser.parse_args(argv)
+
+
+def points(text):
+    """argparse type: a difference in points above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a difference in points above 0 (e.g. 2.8), got {text!r}")
+    return value
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -627,6 +741,7 @@ def main(argv=None):
               f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")
         if a.start and not Path(a.start).exists():
             print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
+        power_plan(a, s)
         print(f"{len(stages)} stages ({len(finished)} finished in {out}); inputs checked; nothing was run (--dry_run)")
         return
     try:

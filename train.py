@@ -536,6 +536,8 @@ def train(r):
     flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", predicted)
     peak = peak_flops(r.device)
     first_step, t_start, anyone_stopping = r.phase_step, time.time(), False
+    if r.rank == 0 and r.phase_step == 0 and STARTS[r.how].weights:  # a continued run's curve starts at its start
+        progress.start_line(validate(r, dict(phase=cfg.phase, step=0, tokens=0), micro_batch))
     with GracefulStop() as signals:
         while r.phase_step < stop_at and not anyone_stopping:
             t0 = time.time()
@@ -572,12 +574,7 @@ def train(r):
                 r.run_dir.append_log(record)
                 r.tracker.log(record)
             if r.rank == 0 and (r.phase_step % cfg.eval_interval == 0 or r.phase_step == total_steps):
-                sep_id = r.meta["sep_id"] if cfg.separate_documents else None
-                record.update(validation_losses(model, cfg.data, cfg.seq_len, cfg.eval_sequences,
-                                                micro_batch, r.device, cfg.dtype, sep_id))
-                validation = {k: record[k] for k in ("phase", "step", "tokens", "val_mlm", "val_clm")}
-                r.run_dir.append_log(validation)  # in the checkpoint's log too
-                r.tracker.log(validation)
+                record.update(validate(r, {k: record[k] for k in ("phase", "step", "tokens")}, micro_batch))
             interval = cfg.save_interval and r.phase_step % cfg.save_interval == 0
             if r.phase_step == stop_at or anyone_stopping or interval:
                 save(r)
@@ -586,6 +583,17 @@ def train(r):
                 eta = (time.time() - t_start) / (r.phase_step - first_step) * (stop_at - r.phase_step)
                 progress.step_line(cfg, record, total_steps, eta)
     return total_steps, anyone_stopping, time.time() - t_start
+
+
+def validate(r, record, micro_batch):
+    """The validation losses, added to `record` (phase, step, tokens), logged and tracked (rank 0)."""
+    cfg = r.cfg
+    sep_id = r.meta["sep_id"] if cfg.separate_documents else None
+    record = {**record, **validation_losses(r.model, cfg.data, cfg.seq_len, cfg.eval_sequences, micro_batch,
+                                            r.device, cfg.dtype, sep_id)}
+    r.run_dir.append_log(record)  # in the checkpoint's log too
+    r.tracker.log(record)
+    return record
 
 
 def save(r):

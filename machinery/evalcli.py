@@ -83,38 +83,43 @@ def parser(ev):
     """eval.py's command line over the module `ev` (eval.py): its functions are the sub-commands."""
     p = Parser(prog="eval.py", description=ev.__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
-    device = Parser(add_help=False)
-    device.add_argument("--device", default="auto", help="auto (a GPU if any), cpu, cuda, cuda:N")
+    device = Parser(add_help=False, argument_default=argparse.SUPPRESS)  # an unset flag: the function's default
+    device.add_argument("--device", help="auto (a GPU if any), cpu, cuda, cuda:N")
     device.add_argument("--threads", type=positive_int, default=None,
                         help="CPU intra-op threads (none: $OMP_NUM_THREADS, else the idle cores)")
-    model = Parser(add_help=False, parents=[device])
-    model.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' "
+    model = Parser(add_help=False, parents=[device], argument_default=argparse.SUPPRESS)
+    model.add_argument("--tokenizer", help="a tokenizer.json, a hub id or 'bytes' "
                        "(none: the model folder's tokenizer.json, else the one its run recorded)")
-    model.add_argument("--max_len", type=max_len, default=512,
+    model.add_argument("--max_len", type=max_len,
                        help="tokens per text, [CLS] and [SEP] included")
 
+    commands = []
+
     def command(fn, parents, what):  # a sub-command's --help opens with its function's docstring
-        return sub.add_parser(fn.__name__, parents=parents, help=what,
-                              description=inspect.cleandoc(fn.__doc__))
+        commands.append((sub.add_parser(fn.__name__, parents=parents, help=what, argument_default=argparse.SUPPRESS,
+                                        description=inspect.cleandoc(fn.__doc__)), fn))
+        return commands[-1][0]
 
     cka_flags(command(ev.cka, [model], "per-layer linear CKA of two models against seed controls"))
     finetune_flags(command(ev.finetune, [model], "fine-tune on task folders, several seeds"), ev.NER_MODES)
     t = command(ev.table, [], "fine-tuned arms compared, with intervals, baselines and verdicts")
     t.add_argument("files", nargs="+", help="results files of `finetune`, one per arm, or an arm's "
                    "replicates separated by commas; the first arm is the reference")
-    t.add_argument("--reference", default=None, help="the arm the others are compared with, by "
+    t.add_argument("--reference", help="the arm the others are compared with, by "
                    "name (its first file's name without .json)")
     m = command(ev.mlm, [device], "validation MLM and CLM loss on val.bin")
     m.add_argument("model", help="a model folder, run directory or hub id")
     m.add_argument("--data", required=True, help="a folder data.py prepared (meta.json, val.bin)")
-    m.add_argument("--n_sequences", type=positive_int, default=64, help="validation windows read")
-    m.add_argument("--seq_len", type=positive_int, default=512, help="tokens per window")
-    m.add_argument("--batch_size", type=positive_int, default=8, help="windows per forward pass")
+    m.add_argument("--n_sequences", type=positive_int, help="validation windows read")
+    m.add_argument("--seq_len", type=positive_int, help="tokens per window")
+    m.add_argument("--batch_size", type=positive_int, help="windows per forward pass")
     needle_flags(command(ev.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
     k = command(ev.curves, [], "several runs' loss curves on shared axes")
     k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
     k.add_argument("--out", required=True, help="the PNG to write")
-    k.add_argument("--names", type=name_list, default=None, help="a name per run (none: folders)")
+    k.add_argument("--names", type=name_list, help="a name per run (none: folders)")
+    for sp, fn in commands:
+        signature_defaults(sp, fn)
     return p
 
 
@@ -123,55 +128,83 @@ def cka_flags(c):
                    "separated by commas (every two of them are a seed control)")
     c.add_argument("model_b", help="the model compared with it (e.g. the CLM run), or its "
                    "replicates separated by commas, in the order of model_a's")
-    c.add_argument("--control", dest="controls", action="append", default=[],
+    c.add_argument("--control", dest="controls", action="append",
                    help="another run of model_a's method with other seeds; repeat for more")
-    c.add_argument("--names", type=lambda text: name_list(text, 2), default=None,
+    c.add_argument("--names", type=lambda text: name_list(text, 2),
                    help="what to call model_a and model_b in the table and figure, e.g. MLM,CLM")
     c.add_argument("--texts", required=True, help="JSONL of held-out texts: {'text': ...} a line")
-    c.add_argument("--n", type=at_least_three, default=500, help="texts drawn per sampling seed")
-    c.add_argument("--seeds", type=seed_list, default=(42, 43, 44),
+    c.add_argument("--n", type=at_least_three, help="texts drawn per sampling seed")
+    c.add_argument("--seeds", type=seed_list,
                    help="sampling seeds: a draw of --n texts each")
-    c.add_argument("--batch_size", type=positive_int, default=16, help="texts per forward pass")
-    c.add_argument("--out", default="cka.json", help="the JSON result; the figure goes beside it")
+    c.add_argument("--batch_size", type=positive_int, help="texts per forward pass")
+    c.add_argument("--out", help="the JSON result; the figure goes beside it")
 
 
 def needle_flags(n):
     n.add_argument("models", nargs="+", help="a model folder, run directory or hub id per arm, or an arm's "
                    "replicates separated by commas")
     n.add_argument("--texts", required=True, help="JSONL of held-out texts, {'text': ...} a line: the haystacks")
-    n.add_argument("--lengths", type=lambda t: int_list(t, 16, 2 ** 20, "lengths"), default=(512, 1024, 2048, 4096,
-                   8192), help="tokens per sequence, [CLS] and [SEP] included (at most max_position_embeddings)")
-    n.add_argument("--depths", type=lambda t: int_list(t, 0, 100, "percentages"), default=(0, 25, 50, 75, 100),
+    n.add_argument("--lengths", type=lambda t: int_list(t, 16, 2 ** 20, "lengths"), 
+                   help="tokens per sequence, [CLS] and [SEP] included (at most max_position_embeddings)")
+    n.add_argument("--depths", type=lambda t: int_list(t, 0, 100, "percentages"),
                    help="how far back the needle sits, in percent of the haystack (0: right before the query)")
-    n.add_argument("--n", type=positive_int, default=20, help="examples per length and depth")
-    n.add_argument("--seed", type=one_seed, default=0, help="draws the values and the haystacks")
-    n.add_argument("--names", type=name_list, default=None, help="a name per arm (none: the first folder's)")
-    n.add_argument("--batch_tokens", type=positive_int, default=8192,
+    n.add_argument("--n", type=positive_int, help="examples per length and depth")
+    n.add_argument("--seed", type=one_seed, help="draws the values and the haystacks")
+    n.add_argument("--names", type=name_list, help="a name per arm (none: the first folder's)")
+    n.add_argument("--batch_tokens", type=positive_int,
                    help="tokens per forward pass: max(1, this // length) sequences")
-    n.add_argument("--tokenizer", default=None, help="a tokenizer.json, a hub id or 'bytes' (none: the model's)")
-    n.add_argument("--out", default="needle.json", help="the JSON result; examples and heat map go beside it")
+    n.add_argument("--tokenizer", help="a tokenizer.json, a hub id or 'bytes' (none: the model's)")
+    n.add_argument("--out", help="the JSON result; examples and heat map go beside it")
 
 
 def finetune_flags(f, ner_modes):
     f.add_argument("model", help="a model folder, run directory or hub id")
     f.add_argument("--task", dest="tasks", action="append", required=True,
                    help="a task folder (train/dev/test .tsv or .jsonl); repeat for more")
-    f.add_argument("--seeds", type=seed_list, default=(42, 43, 44, 45, 46),
-                   help="fine-tuning seeds (classifier init and data order), one run each")
-    f.add_argument("--out", default="results.json", help="results JSON; seed files in OUT.seeds/")
-    f.add_argument("--epochs", type=positive_int, default=None,
-                   help="passes over train (none: 10; 20 for token tasks)")
-    f.add_argument("--lr", type=positive_float, default=5e-5, help="AdamW peak learning rate")
-    f.add_argument("--train_subset", type=positive_int, default=None,
-                   help="train on this many examples (a fixed draw; none: all)")
-    f.add_argument("--eval_subset", type=positive_int, default=None,
-                   help="dev and test on this many examples each (a fixed draw; none: all)")
-    f.add_argument("--batch_size", type=positive_int, default=16, help="examples per step")
-    f.add_argument("--pooling", choices=("cls", "mean"), default="cls",
-                   help="sequence tasks: the [CLS] vector or the mean over tokens")
-    f.add_argument("--ner_mode", choices=ner_modes, default="default",
-                   help="token tasks: entities as seqeval reads them by default (an I- that "
-                   "continues nothing starts an entity) or in its strict IOB2 mode (it is dropped)")
+    f.add_argument("--seeds", type=seed_list, help="fine-tuning seeds (classifier init and data order), one run each")
+    f.add_argument("--out", help="results JSON; seed files in OUT.seeds/")
+    f.add_argument("--epochs", type=positive_int, help="passes over train (none: 10; 20 for token tasks)")
+    f.add_argument("--steps", type=positive_int, help="a budget in optimizer steps per task and seed instead of "
+                   "epochs, at most --epochs passes over train when that is given too")
+    f.add_argument("--evals", type=positive_int, help="dev scored at this many evenly spaced steps, the best one's "
+                   "weights tested (none: after each epoch; 4 with --steps)")
+    f.add_argument("--lr", type=positive_float, help="AdamW peak learning rate")
+    f.add_argument("--train_subset", type=positive_int, help="train on this many examples (a fixed draw; none: all)")
+    f.add_argument("--dev_subset", type=positive_int, help="score dev on this many examples (a fixed draw; none: all)")
+    f.add_argument("--test_subset", type=positive_int, help="score test on this many examples (a fixed draw; none: "
+                   "all, as a comparison should)")
+    f.add_argument("--dev_min", type=non_negative_int, help="a dev set with fewer examples takes examples from train "
+                   "(a fixed draw) until it has this many; 0: never")
+    f.add_argument("--batch_size", type=positive_int, help="examples per step")
+    f.add_argument("--pooling", choices=("cls", "mean"), help="sequence tasks: the [CLS] vector or the mean over "
+                   "tokens")
+    f.add_argument("--ner_mode", choices=ner_modes, help="token tasks: entities as seqeval reads them by default (an "
+                   "I- that continues nothing starts an entity) or in its strict IOB2 mode (it is dropped)")
+
+
+def non_negative_int(text):
+    """argparse type: an integer of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
+    return value
+
+
+def signature_defaults(sub, fn):
+    """A flag left out takes the function's own default (argument_default=SUPPRESS: one place to change it); its
+    help says what that default is."""
+    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                if p.default not in (inspect.Parameter.empty, None, False, (), [])}
+    for action in sub._actions:
+        if action.dest in defaults and action.help and "(default" not in action.help:
+            action.help += f" (default: {format_default(defaults[action.dest])})"
+
+
+def format_default(value):
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def main(ev, argv=None):

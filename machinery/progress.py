@@ -114,14 +114,20 @@ def step_line(cfg, record, total_steps, eta):
           f"eta {duration(eta)}")
 
 
+def start_line(record):
+    """The validation losses before the first step of a continued run: where its curve starts."""
+    print(f"{record['phase']} step 0 (before the first step) | val mlm {record['val_mlm']:.4f} clm "
+          f"{record['val_clm']:.4f}")
+
+
 def duration(seconds):
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def last_validation(log_path):
-    """The newest validation record of a log.jsonl ({"step": ..., "val_mlm": ..., "val_clm": ...}), {} if none."""
-    val = {}
+def validations(log_path):
+    """The validation records of a log.jsonl ({"step": ..., "val_mlm": ..., "val_clm": ...}) in order."""
+    found = []
     if os.path.isfile(log_path):
         with open(log_path, encoding="utf-8") as f:
             for line in f:
@@ -129,8 +135,9 @@ def last_validation(log_path):
                     record = json.loads(line)
                 except ValueError:  # a line cut short by a kill
                     continue
-                val = record if isinstance(record, dict) and "val_mlm" in record else val
-    return val
+                if isinstance(record, dict) and "val_mlm" in record:
+                    found.append(record)
+    return found
 
 
 def command(*flags_):
@@ -188,7 +195,8 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
             print("torchrun reports the stop next, with a traceback of its own and exit status 1; the checkpoint "
                   "above is complete and the command above continues it")
         return
-    val = last_validation(r.run_dir.log_path)
+    every = validations(r.run_dir.log_path)
+    val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
     print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.phase_step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
           f"CLM {val.get('val_clm', float('nan')):.4f}\n"
@@ -217,7 +225,8 @@ def card(r, learning_rate):
             **({"license": cfg.license} if cfg.license else {}),
             **({"language": cfg.language.split(",")} if cfg.language else {}),
             "tags": ["modernbert", "fill-mask", "train.py", "phases-" + "-".join(c["phase"] for c in chain)]}
-    val = last_validation(r.run_dir.log_path)
+    every = validations(r.run_dir.log_path)
+    val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
     lines = ["---", *yaml_lines(meta), "---", "", f"# {os.path.basename(out)}", "",
              f"A ModernBERT encoder ({cfg.preset or 'custom'} architecture, {r.model.num_params():,} parameters) "
              f"trained by train.py, {r.phase_step} of {total_steps} steps of its phase. It loads with "
@@ -234,7 +243,9 @@ def card(r, learning_rate):
              "## Validation", ""]
     if "val_mlm" in val:
         lines += [f"At step {val['step']}, on the first {cfg.eval_sequences} windows of {cfg.seq_len} tokens of the "
-                  f"validation split: MLM loss (15% masked) {val['val_mlm']:.4f}, CLM loss {val['val_clm']:.4f}."]
+                  f"validation split: MLM loss (15% masked) {val['val_mlm']:.4f}, CLM loss {val['val_clm']:.4f}."
+                  + (f" Before the first step of this phase (where it started): MLM {start['val_mlm']:.4f}, CLM "
+                     f"{start['val_clm']:.4f}." if start and start is not val else "")]
     else:
         lines += ["None yet."]
     hints = continuations(r, total_steps, learning_rate)

@@ -1,10 +1,11 @@
 """Markdown tables and figures of comparisons: CKA against its seed-noise band, fine-tuned arms with their
 intervals, the needle's heat map. A reader of the recipe may skip this file: the numbers come from eval.py (CKA,
-`compare`, `needle`)."""
+`needle`) and machinery/compare.py (fine-tuned arms)."""
 import math
 from pathlib import Path
 
 from machinery.cli import InputError
+from machinery.compare import INFORMATIVE_RULE, by_chance, compared
 from machinery.curves import new_figure, save
 
 
@@ -59,6 +60,12 @@ def cka_markdown(r):
             f" With {c['k']} control(s) there is no spread to bound: the rule needs at least 2.")
     lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its interval over the {m} replicates (the "
                   f"controls' mean taken as known); {band['rule']}.{note}"]
+    if r.get("trend"):
+        tr = r["trend"]
+        lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most): the ratio's least-squares "
+                      f"slope against the block index, {tr['slope']:+.3f} per block "
+                      f"{span(tr['low'], tr['high'], '+.3f')} (95% interval over the {m} replicates' slopes: "
+                      f"{', '.join(f'{x:+.3f}' for x in tr['each'])}): **{tr['verdict']}**."]
     return "\n".join(lines) + "\n"
 
 
@@ -115,43 +122,57 @@ def plot_cka(r, path):
 
 
 # -----------------------------------------------------------------------------
-# Fine-tuned arms (eval.compare)
+# Fine-tuned arms (machinery/compare.py)
+
+
+def points(x):
+    return f"{100 * x:.1f}"
 
 
 def finetune_markdown(comparison, names=None, settings="setting"):
-    """eval.compare's result as one markdown table per task: scores x100, each arm's setting chosen on dev, its test
-    score and its difference to the reference with 95% intervals and the verdict, collapsed arms marked. names: what
+    """A comparison (machinery.compare.compare) as one markdown table per task: scores x100, each arm's setting
+    (chosen on dev where there were several), whether it is informative on dev, its test score and its difference to
+    the reference with 95% intervals, the difference it would detect with 80% power, and the verdict. names: what
     to call each arm (default: its key); settings: what a setting is (e.g. "fine-tuning lr")."""
     names = names or {}
+    name = lambda arm: names.get(arm, arm)  # noqa: E731
     lines = []
-    for task, t in comparison.items():
+    for task, t in comparison["tasks"].items():
         ref, metric, base = t["reference"], t["metric"], t["baseline"]
-        name = lambda arm: names.get(arm, arm)  # noqa: E731
-        halves = [row["difference"]["half"] for row in t["arms"].values()
-                  if "difference" in row and not row["difference"]["verdict"].startswith("not compared")]
+        chosen = len(next(iter(t["arms"].values()))["dev"]) > 1
         runs = f"{t['replicates']} pretraining run(s) per arm x {len(t['seeds'])} fine-tuning seed(s)"
         if t.get("ner_mode"):  # how IOB2 tags are read as entities changes the score
             runs += f"; entities read as seqeval's {NER_WORDS[t['ner_mode']]}"
-        lines += [f"**{task}** ({metric} and accuracy x100; {runs}; majority baseline: {metric} dev "
-                  f"{100 * base['dev'][metric]:.2f}, test {100 * base['test'][metric]:.2f}, test accuracy "
-                  f"{100 * base['test']['accuracy']:.2f})" if "accuracy" in base["test"] else f"**{task}**", ""]
-        lines += [f"| arm | {settings} (chosen on dev) | runs | dev {metric} | test {metric} (95% interval) | "
-                  f"test accuracy | arm - {name(ref)} (95% interval) | verdict |", "|---" * 8 + "|"]
+        split = t.get("dev_split") or {}
+        dev = (f"{t['dev_examples']} dev examples" + (f" ({split['own']} of the task's own and "
+               f"{split['carved_from_train']} moved from train: its dev set is smaller than {split['dev_min']})"
+               if split.get("carved_from_train") else ""))
+        lines += [f"**{task}** ({metric} and accuracy x100; {runs}; {t['test_examples']} test examples, {dev}; "
+                  f"majority baseline: {metric} dev {points(base['dev'][metric])}, test {points(base['test'][metric])}"
+                  + (f", test accuracy {points(base['test']['accuracy'])}" if "accuracy" in base["test"] else "")
+                  + ")", ""]
+        lines += [f"| arm | {settings} ({'chosen on dev' if chosen else 'fixed'}) | runs | dev {metric} | "
+                  f"informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} (95% interval) "
+                  f"| detectable (80% power) | verdict |", "|---" * 10 + "|"]
         for arm, row in t["arms"].items():
-            test, d = row["test"], row.get("difference")
-            flag = f" **collapsed**: {row['collapsed']}" if row["collapsed"] else ""
-            diff = (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)}" if d else "(the reference)")
-            lines.append(f"| {name(arm)}{flag} | {row['setting']} | {row['runs']} | "
-                         f"{100 * row['dev'][row['setting']]:.2f} | "
+            test, d, info = row["test"], row.get("difference"), row["informative"]
+            lines.append(f"| {name(arm)} | {row['setting']} | {row['runs']} | {100 * row['dev'][row['setting']]:.2f} | "
+                         f"{'yes' if info['ok'] else 'no: ' + info['why']} | "
                          f"{100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
-                         f"{100 * row['accuracy']:.2f} | {diff} | {d['verdict'] if d else '-'} |")
-        if halves:
-            lines += ["", f"Differences smaller than about {100 * max(halves):.1f} points (the widest half-interval "
-                          f"of the compared arms) cannot be told from zero here." + pretraining_note(t)]
-        elif len(t["arms"]) > 1:
-            lines += ["", "No arm could be compared with the reference here: collapsed models are not ranked."
-                      + pretraining_note(t)]
+                         f"{100 * row['accuracy']:.2f} | "
+                         + (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)} | "
+                            f"{detected(d)} | {d['verdict']} |" if d else "(the reference) | - | - |"))
+        found = [row["difference"]["detectable"] for row in t["arms"].values() if "difference" in row]
+        if not t["ranked"]:
+            lines += ["", f"No verdict on {task}: the reference ({name(ref)}) is not informative on dev, so this task "
+                          f"cannot rank the arms at this fine-tuning budget." + pretraining_note(t)]
+        elif found:
+            lines += ["", f"A true difference of {points(min(found))} to {points(max(found))} points or more would be "
+                          f"found 80% of the time (power, from the same variance components as each interval); "
+                          f"smaller ones may go unseen." + pretraining_note(t)]
         lines.append("")
+    for task, files in comparison.get("left_out", {}).items():
+        lines.append(f"Left out: {task}, which {', '.join(files)} lack(s).")
     return "\n".join(lines) + "\n" + INTERVAL_LEGEND + "\n"
 
 
@@ -166,12 +187,14 @@ def pretraining_note(t):
 
 INTERVAL_LEGEND = (
     "How to read it: a run is one fine-tuning seed of one pretraining run; the setting is each arm's own, the one "
-    "with the best mean dev score, and only its test score is used. Intervals are 95%: the variance of the "
-    "replicates' means (the seeds' spread is inside it) plus a bootstrap of the test examples (2,000 draws, the "
-    "metric recomputed from the predictions), with a t quantile on Satterthwaite's degrees of freedom; differences "
-    "pair replicate r, seed s and every test example across arms. \"better\" or \"worse\" only when the interval "
-    "excludes 0; an arm is **collapsed** when its mean dev score is not above the majority baseline's or most of "
-    "its runs predict one label for everything, and it is then neither compared nor ranked.")
+    "with the best mean dev score where there were several, and only its test score is used. Intervals are 95%: "
+    "the variance of the replicates' means (the seeds' spread is inside it) plus a bootstrap of the test examples "
+    "(2,000 draws, the metric recomputed from the predictions), with a t quantile on Satterthwaite's degrees of "
+    "freedom; differences pair replicate r, seed s and every test example across arms. \"better\" or \"worse\" "
+    "only when the interval excludes 0. Detectable: the smallest true difference this design finds with 80% power "
+    "(a two-sided 95% t test on the same standard error and degrees of freedom); the half-width of an interval is "
+    "found only half the time. An arm is " + INFORMATIVE_RULE + "; a task whose reference is not informative gets "
+    "no verdict for any arm.")
 
 
 # -----------------------------------------------------------------------------
@@ -290,34 +313,51 @@ def summary(rep, spec):
                 continue
             parts = [f"validation {what} loss {d['mean']:+.3f} {span(d['low'], d['high'], '+.3f')} ({d['verdict']})"
                      for what, d in (("MLM", row["val_mlm"]["difference"]), ("CLM", row["val_clm"]["difference"]))]
-            for task, t in rep["finetune"].get(title, {}).items():
+            for task, t in rep["finetune"].get(title, {}).get("tasks", {}).items():
                 d = t["arms"][m]["difference"]
+                power = "" if d["verdict"].startswith("no verdict") else f"; detectable from {detected(d)}"
                 parts.append(f"{task} {t['metric']} {100 * d['mean']:+.1f} {span(d['low'], d['high'], '+.1f', 100)} "
-                             f"({d['verdict']})")
+                             f"({d['verdict']}{power})")
             lines.append(f"- **{names.get(m, m)}** against {names.get(ref, ref)}: " + "; ".join(parts) + ".")
-    n = sum(not d["verdict"].startswith("not compared") for table in rep["losses"].values() for row in table.values()
-            for d in (row["val_mlm"].get("difference"), row["val_clm"].get("difference")) if d)
-    n += sum(not row["difference"]["verdict"].startswith("not compared") for c in rep["finetune"].values()
-             for t in c.values() for row in t["arms"].values() if "difference" in row)
-    return lines + ["", f"Each interval is 95% on its own: of the {n} differences compared above, about {n / 20:.1f} "
-                        f"would exclude 0 by chance if no method differed from its reference at all.", ""]
+    chance = chance_line(rep)
+    return lines + ["", chance, ""]
+
+
+def chance_line(rep):
+    """How many of the report's compared intervals exclude 0, against what chance alone gives."""
+    every = [d for table in rep["losses"].values() for row in table.values()
+             for d in (row["val_mlm"].get("difference"), row["val_clm"].get("difference")) if d]
+    every += [d for c in rep["finetune"].values() for d in compared(c)]
+    c = by_chance(len(every), sum(not d["verdict"].startswith("no detectable") for d in every))
+    line = (f"Each interval is 95% on its own. Of the {c['compared']} differences compared above, {c['excluded']} "
+            f"exclude 0; if no method differed from its reference, about {c['expected']:.1f} would by chance")
+    if c["excluded"]:
+        line += (f", and {c['excluded']} or more with probability {c['p_as_many']:.2g} (binomial, as if the "
+                 f"intervals were independent: they are not quite, since arms share their reference)")
+    return line + "."
+
+
+def detected(d):
+    """The detectable difference of a fine-tuning difference in points; past 100 the scale cannot hold it."""
+    return "more than the scale allows (over 100 points)" if d["detectable"] > 1 else points(d["detectable"])
 
 
 def loss_tables(rep, spec):
     names, R = spec["names"], rep["replicates"]
     lines = ["## Validation losses", "", f"At the end of each run, on the same held-out windows for every run (MLM "
              f"with 15% masked, CLM on every position; token-weighted means), mean over {R} replicate(s) with a 95% "
-             f"t interval; differences paired replicate by replicate (lower is better).", ""]
+             f"t interval; differences paired replicate by replicate (lower is better), with the difference each "
+             f"would detect with 80% power (t test over the {R} replicates).", ""]
     for title, table in rep["losses"].items():
-        lines += [f"**{title}**", "", "| model | runs | MLM loss (95% interval) | minus reference | verdict | "
-                  "CLM loss (95% interval) | minus reference | verdict |", "|---" * 8 + "|"]
+        lines += [f"**{title}**", "", "| model | runs | MLM loss (95% interval) | minus reference | detectable | verdict "
+                  "| CLM loss (95% interval) | minus reference | detectable | verdict |", "|---" * 10 + "|"]
         for m, row in table.items():
             cells = []
             for key in ("val_mlm", "val_clm"):
                 x, d = row[key], row[key].get("difference")
                 cells += [f"{x['mean']:.4f} {span(x['low'], x['high'], '.4f')}",
                           f"{d['mean']:+.4f} {span(d['low'], d['high'], '+.4f')}" if d else "(the reference)",
-                          d["verdict"] if d else "-"]
+                          number(d and d.get("detectable"), ".4f"), d["verdict"] if d else "-"]
             lines.append(f"| {names.get(m, m)} | {len(row['val_mlm']['each'])} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -346,14 +386,14 @@ def runs_table(rep, names):
 
 def settings_table(rep, names):
     """Dev and test means at every fine-tuning lr: the appendix, never a comparison (a model's own test score
-    counts only at the lr its dev score chose). A model whose dev mean is not above the baseline at some lr is
-    marked there, and its spread across lrs is not given (it would read as stability)."""
+    counts only at the lr its dev score chose). A model whose dev mean is not above the majority baseline at some
+    lr is marked there, and its spread across lrs is not given (it would read as stability)."""
     table = rep["per_setting"]
     lrs = list(next(iter(next(iter(table.values())).values())))
     if len(lrs) < 2:
         return []
     lines = ["## Appendix: every fine-tuning learning rate", "", "Mean dev / test score x100 over every run at each "
-             "lr; `*`: dev not above the majority baseline there (collapsed). The spread of test means across lrs is "
+             "lr; `*`: dev not above the majority baseline there. The spread of test means across lrs is "
              "given for models that learned at every lr. Not used for any comparison: these test scores were not "
              "chosen on dev.", "", "| model | task | " + " | ".join(f"lr {lr}" for lr in lrs) + " | spread |",
              "|---" * (len(lrs) + 3) + "|"]
@@ -401,7 +441,7 @@ def curve_segments(runs, models):
 
 def study_figure(path, rep, spec, lrs):
     """report.png, one colour per final model in every panel; None without matplotlib (said once)."""
-    tasks = list(next(iter(rep["finetune"].values()), {}))
+    tasks = list(next(iter(rep["finetune"].values()), {}).get("tasks", {}))
     fig = new_figure((18, 10), 100, layout="constrained", what="report.png")
     if fig is None:
         return None
@@ -455,11 +495,11 @@ def tokens_axis(ax):
 
 def draw_finetuning(axes, rep, spec, tasks, colour):
     """Per task, each fine-tuned model's test score at its lr chosen on dev, with its 95% interval, the majority
-    baseline, the axis from 0; a collapsed model hollow. Returns the legend's handles."""
+    baseline, the axis from 0; a model not informative on dev hollow. Returns the legend's handles."""
     from matplotlib.lines import Line2D
     rows = {}
     for comparison in rep["finetune"].values():
-        for task, t in comparison.items():
+        for task, t in comparison["tasks"].items():
             rows.setdefault(task, {}).update({m: (row, t) for m, row in t["arms"].items()})
     for ax, task in zip(axes, tasks):
         models = [m for m in spec["finetuned"] if m in rows[task]]
@@ -468,7 +508,7 @@ def draw_finetuning(axes, rep, spec, tasks, colour):
             x = row["test"]
             ax.errorbar(i, 100 * x["mean"], yerr=[[100 * (x["mean"] - x["low"])], [100 * (x["high"] - x["mean"])]],
                         color=colour[m], marker="o", ms=7, capsize=4, ls="none",
-                        mfc="white" if row["collapsed"] else colour[m])
+                        mfc=colour[m] if row["informative"]["ok"] else "white")
         ax.axhline(100 * t["baseline"]["test"][t["metric"]], color="black", ls="--", lw=1)
         ax.set_ylim(bottom=0)
         ax.set_xticks(range(len(models)), [spec["names"][m] for m in models], rotation=30, ha="right", fontsize=8)
@@ -477,4 +517,4 @@ def draw_finetuning(axes, rep, spec, tasks, colour):
     return [Line2D([], [], color="black", ls="--", label="majority baseline (test split)"),
             Line2D([], [], color="grey", marker="o", ls="none", label=f"test score at the lr chosen on dev; bars: 95% "
                    f"interval over {R} pretraining run(s), seeds and test examples"),
-            Line2D([], [], color="grey", marker="o", mfc="white", ls="none", label="collapsed (not compared)")]
+            Line2D([], [], color="grey", marker="o", mfc="white", ls="none", label="not informative on dev")]

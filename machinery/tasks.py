@@ -187,11 +187,20 @@ def load_results(path):
     return r
 
 
+def source_digest(*files):
+    """sha256 over the source files given (the code that produces a result: a saved result is reused only when
+    they are unchanged)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()
+
+
 def cached_seed(seed_dir, task, inputs, seed, compute):
     """A (task, seed) result of `eval.py finetune`: read from its file in seed_dir when an earlier call computed it
-    from the same inputs (settings, the model's weights, the task files' contents), else compute() -> (result, test
-    predictions), written at once. Returned with "predictions": that file, relative to the results file's folder
-    (the intervals of a comparison recompute the metrics from them)."""
+    from the same inputs (settings, the model's weights, the task files' contents, the code's source), else
+    compute() -> (result, {"dev": rows, "test": rows}), written at once. Returned with "predictions": that file,
+    relative to the results file's folder (a comparison recomputes the metrics from its predictions)."""
     key = {**inputs, "seed": seed}
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
@@ -201,7 +210,7 @@ def cached_seed(seed_dir, task, inputs, seed, compute):
         result = saved.get("result") if ok else None
         if not scores_ok(result):
             raise InputError(f"{path}: not a result this command wrote; delete it")
-        print(f"  seed {seed}: skip, done in {path} (same settings, model and task files)")
+        print(f"  seed {seed}: skip, done in {path} (same settings, model, task files and code)")
     else:
         result, predictions = compute()
         save(path, {"fingerprint": fingerprint, "inputs": key, "result": result, "predictions": predictions})
@@ -215,15 +224,17 @@ def scores_ok(result):
         and all(is_number(v) for v in result[split].values()) for split in ("dev", "test"))
 
 
-def read_predictions(results_path, task, seed):
-    """(gold, predictions) of one seed's test split, read from the file its result names."""
+def read_predictions(results_path, task, seed, split="test"):
+    """(gold, predictions) of one seed's dev or test split, read from the file its result names, in the order the
+    examples were scored."""
     name = task["seeds"][seed].get("predictions")
     path = results_path.parent / str(name)
     if not name or not path.is_file():
         raise InputError(f"{results_path}: seed {seed} of {task['task']} names no predictions file "
                          f"that exists ({name}); run its `eval.py finetune` again")
-    rows = read_json(path, "a fine-tuning result of `eval.py finetune`").get("predictions")
+    saved = read_json(path, "a fine-tuning result of `eval.py finetune`").get("predictions")
+    rows = saved.get(split) if isinstance(saved, dict) else None
     if not isinstance(rows, list) or not rows:
-        raise InputError(f"{path}: no test predictions in it; run its `eval.py finetune` again")
-    rows = sorted(rows, key=lambda row: row["index"])
+        raise InputError(f"{path}: no {split} predictions in it (written by an older eval.py?); run its "
+                         f"`eval.py finetune` again")
     return [row["gold"] for row in rows], [row["pred"] for row in rows]

@@ -1,5 +1,6 @@
 """eval.py: CKA known answers and properties, metrics against scikit-learn and seqeval, fine-tuning end to end
 on the real tasks (skipped visibly without them), the CKA, MLM and table commands, and bad task input."""
+import dataclasses
 import json
 import math
 import re
@@ -122,18 +123,21 @@ def test_cka_command(byte_models, texts, tmp_path, capsys):
 
 def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
     """Three replicate pairs (A_r, B_r): each pair's divergence is what a one-pair run gives, the seed controls are
-    every two replicates of A, and the band, ratio and intervals follow their definitions; the names reach the
-    table; no matplotlib means no figure, not a failure."""
+    A_r against control run C_r (pairs that share no run), and the band, ratio, trend and intervals follow their
+    definitions; the names reach the table; no matplotlib means no figure, not a failure. Without control runs the
+    controls are A's replicates two by two, never a run twice."""
     import sys
     a, b, c = byte_models
     A = [a, make_model(tmp_path / "a2", 1, **BYTE_IDS), make_model(tmp_path / "a3", 2, **BYTE_IDS)]
     B = [b, c, make_model(tmp_path / "b3", 3, **BYTE_IDS)]
+    C = [make_model(tmp_path / f"c{i}", 4 + i, **BYTE_IDS) for i in range(3)]
     kw = dict(n=8, seeds=(1, 2), max_len=32, device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-        r = ev.cka(",".join(map(str, A)), B, texts, names=["MLM", "CLM"], out=tmp_path / "three.json", **kw)
+        r = ev.cka(",".join(map(str, A)), B, texts, controls=C, names=["MLM", "CLM"], out=tmp_path / "three.json",
+                   **kw)
     shown = capsys.readouterr().out
-    assert "MLM vs CLM per layer" in shown and "3 seed control(s)" in shown
+    assert "MLM vs CLM per layer" in shown and "3 seed control(s)" in shown and "Trend with depth" in shown
     assert shown.count("| yes |") + shown.count("| no |") == 4 and ev.BAND_RULE in shown
     assert not (tmp_path / "three.png").exists()
     one = lambda x, y, name: np.array(ev.cka(x, y, texts, out=tmp_path / name, **kw)["divergence"])  # noqa: E731
@@ -141,9 +145,9 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
     for i in range(3):
         assert each[i] == pytest.approx(one(A[i], B[i], f"pair{i}.json"), abs=1e-12)
     controls = np.array(r["controls"]["divergence"])
-    assert r["args"]["control_pairs"] == [[str(A[0]), str(A[1])], [str(A[0]), str(A[2])], [str(A[1]), str(A[2])]]
-    for row, (i, j) in zip(controls, [(0, 1), (0, 2), (1, 2)]):
-        assert row == pytest.approx(one(A[i], A[j], f"c{i}{j}.json"), abs=1e-12)
+    assert r["args"]["control_pairs"] == [[str(A[i]), str(C[i])] for i in range(3)]
+    for i, row in enumerate(controls):
+        assert row == pytest.approx(one(A[i], C[i], f"c{i}.json"), abs=1e-12)
     pairs = 1 - np.array([s["pairs"] for s in r["per_seed"].values()])  # (draws, replicates, layers)
     for layer in r["layers"]:
         expected = ev.band(each[:, layer], controls[:, layer], pairs.mean(1)[:, layer].std(ddof=1), 2)
@@ -153,8 +157,23 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
         assert (r["ratio"]["mean"][layer], r["ratio"]["low"][layer]) == pytest.approx((mean, low))
         assert (r["divergence_low"][layer], r["divergence_high"][layer]) == pytest.approx(
             ev.t_interval(each[:, layer])[1:])
+    ratios = each / controls.mean(0)
+    slopes = [np.polyfit(np.arange(4), row, 1)[0] for row in ratios]
+    assert r["trend"]["each"] == pytest.approx(slopes) and r["trend"]["slope"] == pytest.approx(np.mean(slopes))
+    alone = ev.cka(",".join(map(str, A)), B, texts, out=tmp_path / "alone.json", **kw)
+    assert alone["args"]["control_pairs"] == [[str(A[0]), str(A[1])]] and alone["band"]["bound"] == [None] * 4
+    assert ev.control_pairs(3, 5) == [(0, 6), (1, 7), (2, 8), (9, 10)] and ev.control_pairs(4, 1) == [(0, 8), (1, 2)]
     with pytest.raises(InputError, match="3 replicates of model A but 2 of model B"):
         ev.cka(A, B[:2], texts, out=tmp_path / "x.json", **kw)
+
+
+def test_trend_reads_the_slope_of_the_ratio_with_depth():
+    falling = np.array([[6.0, 5.0, 4.1, 3.0], [5.8, 5.1, 3.9, 3.2], [6.1, 4.9, 4.0, 2.9]])
+    t = ev.trend(falling)
+    assert t["slope"] == pytest.approx(np.mean([np.polyfit(range(4), r, 1)[0] for r in falling]))
+    assert t["high"] < 0 and t["verdict"] == "falls with depth"
+    assert ev.trend(falling[:, ::-1])["verdict"] == "rises with depth"
+    assert ev.trend(np.array([[1.0, 2.0, 1.0], [2.0, 1.0, 2.0]]))["verdict"] == "no detectable trend"
 
 
 def test_cka_checks_its_input(byte_models, texts, tmp_path):
@@ -320,7 +339,11 @@ def test_every_kind_scores_as_its_oracles(tmp_path):
     indicator = [[[x in s for x in labels] for s in part] for part in sets]
     assert got["accuracy"] == pytest.approx(accuracy_score(*map(np.array, indicator)))
     assert got["macro_f1"] == pytest.approx(f1_score(*map(np.array, indicator), average="macro", zero_division=0))
-    assert ev.KINDS["token"].constant([["O", "O"], ["O"]]) and not ev.KINDS["single"].constant(["a", "b"])
+    # chance (the informative rule's): the same labels dealt at random; token tags keep each sentence's length
+    dealt = ev.KINDS["token"].permute(pred, np.random.default_rng(0))
+    assert [len(p) for p in dealt] == [len(p) for p in pred] and sorted(sum(dealt, [])) == sorted(sum(pred, []))
+    assert dealt != pred and sorted(ev.KINDS["single"].permute(guess, np.random.default_rng(0))) == sorted(guess)
+    assert ev.KINDS["token"].fill("O", gold) == [["O"] * len(g) for g in gold]
 
 
 # ----------------------------------------------------------------------------
@@ -365,14 +388,15 @@ def test_finetune_ner_beats_the_majority_baseline(modernbert_model, tmp_path):
     task = need(TASKS / "ncbi_disease" / "train.tsv").parent
     out = tmp_path / "ner.json"
     results = ev.finetune(modernbert_model, [task], seeds=(42,), out=out, epochs=2, lr=1e-3, max_len=64,
-                          train_subset=256, eval_subset=100, device="cpu")
+                          train_subset=256, dev_subset=100, test_subset=100, device="cpu")
     r = json.loads(out.read_text())["tasks"]["ncbi_disease"]
     assert r == json.loads(json.dumps(results["tasks"]["ncbi_disease"]))
     assert r["kind"] == "token" and r["primary"] == "entity_f1" and r["labels"] == ["B-Disease", "I-Disease", "O"]
     assert r["baseline"]["test"]["entity_f1"] == 0.0  # all "O"
     assert r["mean"]["entity_f1"] > 0.1  # 0.26-0.32 seen over three model inits and two run seeds
     run = r["seeds"]["42"]
-    assert set(run) == {"dev", "test", "best_epoch", "seconds", "predictions"} and run["best_epoch"] in (1, 2)
+    assert set(run) == {"dev", "test", "best_step", "steps", "seconds", "predictions"}
+    assert run["steps"] == 32 and run["best_step"] in (16, 32)  # 256 examples: 16 steps an epoch, dev after each
     assert (out.parent / run["predictions"]).is_file() and r["ner_mode"] == "default"
     assert set(r["std"]) == {"entity_f1", "macro_f1", "micro_f1", "accuracy"} and set(r["baseline"]) == {"dev", "test"}
 
@@ -381,7 +405,7 @@ def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
     tasks = [need(TASKS / name / "train.jsonl").parent for name in ("chemprot", "pubmedqa")]
     out = tmp_path / "seq.json"
     r = ev.finetune(modernbert_model, tasks, seeds=(42, 43), out=out, epochs=1, max_len=96, train_subset=32,
-                    eval_subset=32, batch_size=16, device="cpu")["tasks"]
+                    dev_subset=32, test_subset=32, batch_size=16, device="cpu")["tasks"]
     assert len(r["chemprot"]["labels"]) == 13 and r["pubmedqa"]["labels"] == ["maybe", "no", "yes"]
     for name in ("chemprot", "pubmedqa"):
         assert r[name]["kind"] == "single" and r[name]["primary"] == "macro_f1"
@@ -430,10 +454,12 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     assert [re.sub(r"-[0-9a-f]{12}\.json", "", f.name) for f in files] == ["animals-seed1", "animals-seed2"]
     saved = json.loads(files[0].read_text())
     test = [json.loads(line) for line in (task / "test.jsonl").read_text().splitlines()]
-    assert [p["index"] for p in saved["predictions"]] == list(range(32))
-    assert [p["gold"] for p in saved["predictions"]] == [row["label"] for row in test]
-    assert [p["line"] for p in saved["predictions"]] == list(range(1, 33))
-    assert all(set(p["pred"]) <= {"cat", "dog", "owl"} for p in saved["predictions"])
+    rows = saved["predictions"]["test"]
+    assert [p["index"] for p in rows] == list(range(32)) and {p["from"] for p in rows} == {"test"}
+    assert [p["gold"] for p in rows] == [row["label"] for row in test]
+    assert [p["line"] for p in rows] == list(range(1, 33))
+    assert all(set(p["pred"]) <= {"cat", "dog", "owl"} for p in rows)
+    assert len(saved["predictions"]["dev"]) == 32
     assert {**saved["result"], "predictions": f"a.seeds/{files[0].name}"} == first["tasks"]["animals"]["seeds"]["1"]
     stamps = [f.stat().st_mtime_ns for f in files]
     capsys.readouterr()
@@ -448,24 +474,75 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     changed = ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)
     assert "skip" not in capsys.readouterr().out and len(list((tmp_path / "a.seeds").glob("*"))) == 5
     newest = max((tmp_path / "a.seeds").glob("*"), key=lambda f: f.stat().st_mtime_ns)
-    assert len(json.loads(newest.read_text())["predictions"]) == 31
+    assert len(json.loads(newest.read_text())["predictions"]["test"]) == 31
     assert changed["tasks"]["animals"]["sha256"]["test"] != first["tasks"]["animals"]["sha256"]["test"]
     (task / "test.jsonl").write_text("\n".join(lines) + "\n")  # back as it was: the first files count again
     assert ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw) == first
+    # the code that fine-tunes is in the key: an edited eval.py or model.py never reuses a result
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ev, "source_digest", lambda *files: "an edited eval.py")
+        ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **kw)
+    assert "skip" not in capsys.readouterr().out
+    ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)  # a.json as it was
 
     # a second model on seeds 2 and 3: compared on the seed both ran
     ev.finetune(byte_models[1], [task], seeds=(2, 3), out=tmp_path / "b.json", **kw)
     b = json.loads((tmp_path / "b.json").read_text())["tasks"]["animals"]
-    d = ev.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}})["animals"]
+    d = ev.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}}, ev.task_kind)
+    d = d["tasks"]["animals"]
     expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
     assert d["seeds"] == ["2"] and d["arms"]["b"]["difference"]["mean"] == pytest.approx(expected)
+
+
+def test_a_step_budget_sets_the_steps_and_the_dev_points():
+    s = ev.Settings(epochs=None, steps=None, evals=None, lr=1e-3, max_len=32, batch_size=16, pooling="cls",
+                    pad_id=0, device=torch.device("cpu"))
+    token, single = ev.KINDS["token"], ev.KINDS["single"]
+    assert ev.budget(token, 100, s) == (140, [7 * k for k in range(1, 21)])  # 20 epochs of 7 steps
+    assert ev.budget(single, 100, dataclasses.replace(s, steps=50)) == (50, [12, 25, 38, 50])  # 4 evals
+    capped = dataclasses.replace(s, steps=500, epochs=3, evals=2)  # 500 steps, at most 3 passes over train
+    assert ev.budget(single, 100, capped) == (21, [10, 21])
+    assert ev.budget(single, 10_000, capped)[0] == 500
+
+
+def test_length_grouped_batches_read_every_example_once_with_little_padding():
+    lengths = list(np.random.default_rng(0).integers(5, 200, 1000))
+    g = torch.Generator().manual_seed(0)
+    batches = ev.length_grouped(lengths, 16, g)
+    assert sorted(i for b in batches for i in b) == list(range(1000)) and max(map(len, batches)) == 16
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    shuffled = torch.randperm(1000, generator=g).split(16)
+    random = sum(len(b) * max(lengths[i] for i in b.tolist()) for b in shuffled)
+    assert padded < 0.6 * random and padded < 1.1 * sum(lengths)
+    assert batches != ev.length_grouped(lengths, 16, g)  # another epoch, another order
+
+
+def test_a_small_dev_set_takes_examples_from_train(byte_models, tmp_path, capsys):
+    """--dev_min tops a small dev set up from train (a fixed draw, never trained on, said in the results); a
+    carve-out that would empty train is one clear error before any training."""
+    task = multilabel_task(tmp_path / "animals")  # 96 / 32 / 32
+    r = ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "c.json", epochs=1, max_len=48,
+                    dev_min=50, device="cpu")["tasks"]["animals"]
+    assert r["dev_split"] == {"own": 32, "carved_from_train": 18, "dev_min": 50}
+    assert r["examples"] == {"train": 78, "dev": 50, "test": 32} and "18 moved from train" in capsys.readouterr().out
+    saved = json.loads((tmp_path / r["seeds"]["1"]["predictions"]).read_text())["predictions"]["dev"]
+    assert [row["from"] for row in saved].count("train") == 18
+    train, dev, _ = ev.carve_dev(read_task(task), 50)
+    assert not {(ex["text"], ex["line"]) for ex in train} & {(ex["text"], ex["line"]) for ex in dev if "from" in ex}
+    assert ev.carve_dev(read_task(task), 50)[1] == dev  # the same draw every time
+    with pytest.raises(InputError, match=r"animals: --dev_min=200 would move 168 examples from train to dev, but "
+                                         r"train holds 96"):
+        ev.finetune(byte_models[0], [task], out=tmp_path / "x.json", dev_min=200, device="cpu")
+    assert not (tmp_path / "x.seeds").exists()
 
 
 @pytest.mark.slow
 def test_finetune_ner_longer_run(modernbert_model, tmp_path):
     task = need(TASKS / "ncbi_disease" / "train.tsv").parent
     r = ev.finetune(modernbert_model, [task], seeds=(42,), out=tmp_path / "ner.json", epochs=3, lr=1e-3,
-                    max_len=128, train_subset=1000, eval_subset=300, device="cpu")["tasks"]["ncbi_disease"]
+                    max_len=128, train_subset=1000, dev_subset=300, test_subset=300, device="cpu")
+    r = r["tasks"]["ncbi_disease"]
     assert r["mean"]["entity_f1"] > 0.3  # 0.38-0.40 seen with seeds 42 and 43
 
 

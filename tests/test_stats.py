@@ -1,51 +1,89 @@
-"""The statistics of a comparison: t quantiles against scipy, the interval's coverage on simulated data with a
-known difference and its width against the number of replicates, scores of resampled test sets against the
-oracles, settings chosen on dev, collapsed arms flagged and never compared, and the CKA band's false-positive
-rate on data with no effect."""
+"""The statistics of a comparison (machinery/compare.py): t quantiles and power against scipy, the interval's
+coverage on simulated data with a known difference, the stated power and the planner's answers against simulated
+studies, scores of resampled test sets against the oracles, settings chosen on dev, the informative rule (dev
+only, against the majority and against chance), and the CKA band's false-positive rate with controls built as the
+study builds them."""
 import json
+import math
 import zlib
 
 import numpy as np
 import pytest
 
 import eval as ev
+from machinery import compare as cmp
 from machinery.cli import InputError
 
 
 def test_t_quantile_matches_scipy():
     from scipy.stats import t
     for df in [1, 2, 3, 4, 5, 6, 9, 10, 29, 30, 120, 999]:
-        for p in (0.9, 0.95, 0.975):
-            assert ev.t_quantile(p, df) == pytest.approx(t.ppf(p, df), rel=1e-7)
-    assert ev.t_quantile(0.975, 2.9) == pytest.approx(t.ppf(0.975, 2))  # fractional df rounded down
-    assert ev.t_quantile(0.975, float("inf")) == pytest.approx(1.959964, abs=1e-6)
-    mean, low, high = ev.t_interval([1.0, 2.0, 4.0])
+        for p in (0.8, 0.9, 0.95, 0.975):
+            assert cmp.t_quantile(p, df) == pytest.approx(t.ppf(p, df), rel=1e-7)
+    assert cmp.t_quantile(0.975, 2.9) == pytest.approx(t.ppf(0.975, 2))  # fractional df rounded down
+    assert cmp.t_quantile(0.975, float("inf")) == pytest.approx(1.959964, abs=1e-6)
+    mean, low, high = cmp.t_interval([1.0, 2.0, 4.0])
     assert (low, high) == pytest.approx(t.interval(0.95, 2, loc=mean, scale=np.std([1, 2, 4], ddof=1) / 3 ** 0.5))
-    assert ev.t_interval([3.0]) == (3.0, None, None)
+    assert cmp.t_interval([3.0]) == (3.0, None, None)
+
+
+def test_power_is_the_noncentral_t_and_detectable_solves_it_at_80_percent():
+    from scipy.stats import nct, t
+    for df in (1, 2, 3, 5, 12, 40):
+        c = t.ppf(0.975, df)
+        for d in (0.5, 2.0, 4.0):
+            assert cmp.power(d, 1.0, df) == pytest.approx(nct.sf(c, df, d) + nct.cdf(-c, df, d), abs=2e-4)
+        found = cmp.detectable(1.0, df)
+        assert nct.sf(c, df, found) + np.nan_to_num(nct.cdf(-c, df, found)) == pytest.approx(0.8, abs=1e-3)
+    assert cmp.detectable(2.0, math.inf) == pytest.approx(2 * 2.8016, abs=1e-3)  # (1.960 + 0.842) se
+    assert cmp.detectable(1.0, 2) == pytest.approx(5.653, abs=2e-3)  # the sum of t quantiles, 5.36, gives 77%
+    assert cmp.detectable(0.0, 5) == 0.0
+
+
+def test_by_chance_is_the_binomial_tail():
+    from scipy.stats import binom
+    c = cmp.by_chance(6, 2)
+    assert c["expected"] == pytest.approx(0.3) and c["p_as_many"] == pytest.approx(binom.sf(1, 6, 0.05))
+    assert cmp.by_chance(14, 7)["p_as_many"] == pytest.approx(binom.sf(6, 14, 0.05)) and cmp.by_chance(3, 0)[
+        "p_as_many"] == 1.0
 
 
 # ----------------------------------------------------------------------------
-# The interval on simulated data: two arms whose expected score differs by DELTA
-
-
-DELTA = 0.1
+# Simulated studies: two arms whose expected score differs by delta, from a hierarchical model
 
 
 def mean_metric(totals):
     return totals[..., 0] / totals[..., 1]  # the counts hold (score, 1) per example: the metric is their mean
 
 
-def simulated(rng, R, S, N, replicate_sd, seed_sd, example_sd, noise_sd):
-    """(a, b) counts of shape (R, S, N, 2) from a hierarchical model: per arm, replicate effects, seed effects
-    within them, an arm-by-example effect (what the test examples add to a difference), and noise per run and
-    example; example difficulty is shared by both arms. The arms' expected difference is DELTA."""
+def simulated(rng, R, S, N, replicate_sd, seed_sd, example_sd, noise_sd, delta=0.1):
+    """(a, b) counts of shape (R, S, N, 2): per arm, replicate effects, seed effects within them, an arm-by-example
+    effect (what the test examples add to a difference), and noise per run and example; example difficulty is
+    shared by both arms. The arms' expected difference is delta."""
     difficulty = rng.normal(0, 1, N)
     arms = []
-    for mu in (0.0, DELTA):
+    for mu in (0.0, delta):
         x = (mu + rng.normal(0, replicate_sd, (R, 1, 1)) + rng.normal(0, seed_sd, (R, S, 1))
              + difficulty + rng.normal(0, example_sd, N) + rng.normal(0, noise_sd, (R, S, N)))
         arms.append(np.stack([x, np.ones_like(x)], -1))
     return arms
+
+
+def true_components(R, S, N, replicate_sd, seed_sd, example_sd, noise_sd):
+    """The variance components of the difference in `simulated`, as `interval` estimates them: a run's own noise
+    over N examples is part of its seed's share."""
+    return dict(replicates=R, seeds=S, examples=N, replicate_var=2 * replicate_sd ** 2,
+                seed_var=2 * seed_sd ** 2 + 2 * noise_sd ** 2 / N, example_var=2 * example_sd ** 2, seeds_inside=False)
+
+
+def found(rng, trials, R, S, N, sds, delta):
+    """How often a simulated study's interval excludes 0 when the true difference is delta."""
+    hits = 0
+    for i in range(trials):
+        a, b = simulated(rng, R, S, N, *sds, delta=delta)
+        iv = cmp.interval(mean_metric, b, a, resamples=300, seed=i)
+        hits += iv["low"] > 0 or iv["high"] < 0
+    return hits / trials
 
 
 @pytest.mark.parametrize("R, replicate_sd, example_sd, least", [(3, 0.2, 0.1, 0.91), (3, 0.05, 0.3, 0.91),
@@ -58,25 +96,64 @@ def test_interval_covers_the_known_difference_about_95_percent_of_the_time(R, re
     hits = 0
     for i in range(300):
         a, b = simulated(rng, R, 3, 100, replicate_sd, 0.05, example_sd, 0.4)
-        iv = ev.interval(mean_metric, b, a, resamples=400, seed=i)
-        hits += iv["low"] <= DELTA <= iv["high"]
+        iv = cmp.interval(mean_metric, b, a, resamples=400, seed=i)
+        hits += iv["low"] <= 0.1 <= iv["high"]
     assert least <= hits / 300 <= 0.98, hits / 300
+
+
+@pytest.mark.parametrize("R, sds", [(3, (0.06, 0.03, 0.3, 0.4)), (3, (0.02, 0.03, 0.6, 0.4)),
+                                    (5, (0.05, 0.05, 0.3, 0.4))])
+def test_the_stated_detectable_difference_is_found_80_percent_of_the_time(R, sds):
+    """The difference `project` states for a design (replicate noise dominating, test examples dominating, five
+    replicates) is found by 80% +- a few of 400 simulated studies with that true difference; the components each
+    study estimates are centred on the true ones, so the detectable difference a report states is too. Measured
+    over 2,000 studies: 78.9%, 80.7% and 79.6%."""
+    S, N = 3, 100
+    rng = np.random.default_rng(R + int(1000 * sds[0]))
+    truth = true_components(R, S, N, *sds)
+    stated = cmp.project(truth, R, S, N)["detectable"]
+    assert 0.73 <= found(rng, 300, R, S, N, sds, stated) <= 0.87
+    estimates = [cmp.interval(mean_metric, *simulated(rng, R, S, N, *sds)[::-1], resamples=200, seed=i)
+                 for i in range(150)]
+    runs = np.mean([iv["sd_runs"] ** 2 * R for iv in estimates])  # the spread of replicate means
+    assert runs == pytest.approx(truth["replicate_var"] + truth["seed_var"] / S, rel=0.25)
+    for key in ("seed_var", "example_var"):  # replicate_var alone is cut at 0: biased up (conservative) when small
+        assert np.mean([iv["components"][key] for iv in estimates]) == pytest.approx(truth[key], rel=0.25), key
+
+
+def test_the_planner_names_a_design_that_reaches_the_difference_asked_for():
+    """needed() answers "how many replicates, or test examples, to detect 0.1?" for a study whose pretraining
+    runs dominate its variance and for one whose test examples do; simulated studies at the design it names find
+    0.1 about 80% of the time or more, and at the planned design clearly less often."""
+    rng = np.random.default_rng(11)
+    S, N = 2, 100
+    for sds, change in (((0.04, 0.03, 0.15, 0.4), "replicates"), ((0.01, 0.01, 0.3, 0.1), "examples")):
+        truth = true_components(3, S, N, *sds)
+        need = cmp.needed(truth, 0.1, 3, S, N, most_examples=2000)
+        R, n = (need["replicates"], N) if change == "replicates" else (3, need["examples"])
+        assert cmp.project(truth, R, S, n)["detectable"] <= 0.1 < cmp.project(
+            truth, R - (change == "replicates"), S, n - (change == "examples"))["detectable"]
+        assert found(rng, 200, R, S, n, sds, 0.1) >= 0.72, change
+        assert found(rng, 200, 3, S, N, sds, 0.1) < 0.7, change
+    assert need["all_examples"] < cmp.project(truth, 3, S, N)["detectable"]
+    with pytest.raises(InputError, match="one pretraining run"):
+        cmp.project({**truth, "replicate_var": None}, 3, S, N)
 
 
 def test_interval_narrows_with_more_replicates_and_says_what_it_counts():
     rng = np.random.default_rng(5)
     widths = {}
     for R in (2, 4, 8):
-        ivs = [ev.interval(mean_metric, *simulated(rng, R, 3, 100, 0.1, 0.05, 0.2, 0.4)[::-1], resamples=300, seed=i)
-               for i in range(40)]
+        ivs = [cmp.interval(mean_metric, *simulated(rng, R, 3, 100, 0.1, 0.05, 0.2, 0.4)[::-1], resamples=300,
+                            seed=i) for i in range(40)]
         widths[R] = np.mean([iv["half"] for iv in ivs])
         assert all(iv["units"] == R and iv["level"] == "replicates" for iv in ivs)
     assert widths[2] > 1.5 * widths[4] > 1.5 * 1.1 * widths[8], widths
-    one = ev.interval(mean_metric, *simulated(rng, 1, 5, 100, 0.1, 0.05, 0.2, 0.4)[::-1], resamples=300)
-    assert one["units"] == 5 and one["level"] == "seeds"  # one replicate: the seeds are the top level
+    one = cmp.interval(mean_metric, *simulated(rng, 1, 5, 100, 0.1, 0.05, 0.2, 0.4)[::-1], resamples=300)
+    assert one["units"] == 5 and one["level"] == "seeds" and one["components"]["replicate_var"] is None
     same = simulated(rng, 3, 3, 50, 0.1, 0.05, 0.2, 0.4)[0]
-    zero = ev.interval(mean_metric, same, same, resamples=200)
-    assert zero["mean"] == zero["low"] == zero["high"] == 0.0  # an arm against itself
+    zero = cmp.interval(mean_metric, same, same, resamples=200)
+    assert zero["mean"] == zero["low"] == zero["high"] == zero["detectable"] == 0.0  # an arm against itself
 
 
 def test_a_resampled_test_set_is_scored_as_its_repeated_examples_are():
@@ -101,101 +178,123 @@ def test_a_resampled_test_set_is_scored_as_its_repeated_examples_are():
 
 
 # ----------------------------------------------------------------------------
-# compare(): settings chosen on dev, collapse, verdicts, from results files as `finetune` writes them
+# compare(): settings chosen on dev, the informative rule, verdicts, from results files as `finetune` writes them
 
 LABELS = ["a", "b", "c"]
+GOLD = list(np.random.default_rng(0).choice(LABELS, 60, p=[0.5, 0.3, 0.2]))
+DEV = list(np.random.default_rng(1).choice(LABELS, 80, p=[0.5, 0.3, 0.2]))
 
 
-def write_results(path, runs, baseline_dev=0.2):
-    """A results file of one replicate with one task 't' (single-label): runs = {seed: (dev macro-F1, test
-    predictions)}, the gold labels GOLD; each seed's predictions in a file beside it, as `finetune` writes them."""
+def write_results(path, runs):
+    """A results file of one replicate with one task 't' (single-label): runs = {seed: (dev predictions, test
+    predictions)} against DEV and GOLD; each seed's predictions in a file beside it, as `finetune` writes them."""
     kind, seeds = ev.KINDS["single"], {}
-    for seed, (dev, pred) in runs.items():
+    for seed, (dev, test) in runs.items():
         name = f"{path.stem}.seeds/t-seed{seed}.json"
         (path.parent / name).parent.mkdir(parents=True, exist_ok=True)
-        rows = [{"index": i, "line": i + 1, "gold": g, "pred": p} for i, (g, p) in enumerate(zip(GOLD, pred))]
+        rows = {split: [{"index": i, "line": i + 1, "from": split, "gold": g, "pred": p}
+                        for i, (g, p) in enumerate(zip(gold, pred))]
+                for split, gold, pred in (("dev", DEV, dev), ("test", GOLD, test))}
         (path.parent / name).write_text(json.dumps({"predictions": rows}))
-        seeds[str(seed)] = {"dev": {"macro_f1": dev}, "test": kind.score(GOLD, pred, LABELS), "predictions": name}
-    majority = kind.score(GOLD, ["a"] * len(GOLD), LABELS)
+        seeds[str(seed)] = {"dev": kind.score(DEV, dev, LABELS), "test": kind.score(GOLD, test, LABELS),
+                            "predictions": name}
+    baseline = {"dev": kind.score(DEV, ["a"] * len(DEV), LABELS), "test": kind.score(GOLD, ["a"] * len(GOLD), LABELS)}
     task = {"task": "t", "kind": "single", "primary": "macro_f1", "labels": LABELS, "scored": LABELS,
-            "ner_mode": None, "seeds": seeds, "baseline": {"dev": {"macro_f1": baseline_dev}, "test": majority}}
+            "ner_mode": None, "seeds": seeds, "baseline": baseline, "majority": "a"}
     path.write_text(json.dumps({"tasks": {"t": task}}))
     return path
 
 
-GOLD = list(np.random.default_rng(0).choice(LABELS, 60, p=[0.5, 0.3, 0.2]))
-
-
-def noisy(rng, right):
+def noisy(rng, gold, right):
     """Predictions that are right with probability `right`, a random label otherwise."""
-    return [g if rng.random() < right else str(rng.choice(LABELS)) for g in GOLD]
+    return [g if rng.random() < right else str(rng.choice(LABELS)) for g in gold]
 
 
 def arm(tmp_path, name, settings, R=3, seeds=(1, 2)):
-    """{setting: [results files, one per replicate]}, settings = {setting: (dev score, accuracy of predictions)}."""
+    """{setting: [results files, one per replicate]}, settings = {setting: (dev accuracy, test accuracy)}: the
+    share of predictions that are right, on dev and on test."""
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     return {setting: [write_results(tmp_path / f"{name}-{setting}-r{r}.json",
-                                    {s: (dev + 0.01 * rng.random(), noisy(rng, right)) for s in seeds})
-                      for r in range(R)] for setting, (dev, right) in settings.items()}
+                                    {s: (noisy(rng, DEV, dev), noisy(rng, GOLD, test)) for s in seeds})
+                      for r in range(R)] for setting, (dev, test) in settings.items()}
 
 
 def test_the_setting_is_chosen_on_dev_and_test_is_read_for_it_alone(tmp_path):
     """Arm 'x' is best on test at lr 2 but best on dev at lr 1: lr 1 is chosen, and its test score is reported."""
-    arms = {"ref": arm(tmp_path, "ref", {"1": (0.5, 0.6)}), "x": arm(tmp_path, "x", {"1": (0.8, 0.5), "2": (0.6, 1.0)})}
-    t = ev.compare(arms)["t"]
+    arms = {"ref": arm(tmp_path, "ref", {"1": (0.6, 0.6)}), "x": arm(tmp_path, "x", {"1": (0.9, 0.5), "2": (0.5, 1.0)})}
+    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
     x = t["arms"]["x"]
     assert x["setting"] == "1" and x["dev"]["1"] > x["dev"]["2"]
     scores = [json.loads(f.read_text())["tasks"]["t"]["seeds"] for f in arms["x"]["1"]]
     assert x["test"]["mean"] == pytest.approx(np.mean([s["test"]["macro_f1"] for run in scores for s in run.values()]))
     assert x["runs"] == 6 and t["replicates"] == 3 and t["seeds"] == ["1", "2"]
-    assert ev.choose_on_dev({"1": [0.5, 0.7], "2": [0.6, 0.6]}) == "1"  # a tie goes to the first
+    assert t["dev_examples"] == 80 and t["test_examples"] == 60
+    assert cmp.choose_on_dev({"1": [0.5, 0.7], "2": [0.6, 0.6]}) == "1"  # a tie goes to the first
 
 
-def test_verdicts_follow_the_interval(tmp_path):
-    arms = {"ref": arm(tmp_path, "ref", {"-": (0.5, 0.4)}), "good": arm(tmp_path, "good", {"-": (0.9, 0.95)}),
-            "same": {"-": arm(tmp_path, "ref", {"-": (0.5, 0.4)})["-"]}}
-    t = ev.compare(arms)["t"]
+def test_verdicts_follow_the_interval_and_carry_the_detectable_difference(tmp_path):
+    arms = {"ref": arm(tmp_path, "ref", {"-": (0.6, 0.4)}), "good": arm(tmp_path, "good", {"-": (0.9, 0.95)}),
+            "same": {"-": arm(tmp_path, "ref", {"-": (0.6, 0.4)})["-"]}}
+    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
     good = t["arms"]["good"]["difference"]
-    assert good["low"] > 0 and good["verdict"] == "better"
+    assert good["low"] > 0 and good["verdict"] == "better" and good["detectable"] > good["half"]
     same = t["arms"]["same"]["difference"]
     assert same["mean"] == 0.0 and same["verdict"] == "no detectable difference"
-    worse = ev.compare(arms, reference="good")["t"]["arms"]["ref"]["difference"]
+    worse = cmp.compare(arms, ev.task_kind, reference="good")["tasks"]["t"]["arms"]["ref"]["difference"]
     assert worse["high"] < 0 and worse["verdict"] == "worse"
-    assert ev.verdict(-0.1, 0.2) == "no detectable difference" and ev.verdict(0.1, 0.2, "higher") == "higher"
+    assert cmp.verdict(-0.1, 0.2) == "no detectable difference" and cmp.verdict(0.1, 0.2, "higher") == "higher"
 
 
-def test_a_collapsed_arm_is_flagged_and_never_compared(tmp_path):
-    """An arm that predicts one label everywhere sits at the majority baseline: it wins against a reference that
-    falls below the baseline, but it is marked collapsed and given no verdict; so is every arm against it."""
-    constant = {"-": [write_results(tmp_path / f"const-r{r}.json", {s: (0.1, ["a"] * len(GOLD)) for s in (1, 2)})
-                      for r in range(3)]}
-    arms = {"ref": arm(tmp_path, "ref", {"-": (0.5, 0.1)}), "const": constant,
-            "good": arm(tmp_path, "good", {"-": (0.9, 0.95)})}
-    t = ev.compare(arms)["t"]
-    c = t["arms"]["const"]
-    assert c["collapsed"] == "dev score not above the majority baseline"
-    assert c["difference"]["verdict"] == "not compared: this arm collapsed"
-    assert t["arms"]["good"]["difference"]["verdict"] == "better"
-    against = ev.compare(arms, reference="const")["t"]["arms"]["good"]["difference"]
-    assert against["verdict"] == "not compared: the reference collapsed"
-    assert ev.collapsed([0.5, 0.6], 0.2, [True, True, False]) == "2 of 3 runs predict one label for every test example"
-    assert ev.collapsed([0.5, 0.6], 0.2, [True, False]) is None
+def test_the_informative_rule_reads_dev_and_catches_chance(tmp_path):
+    """Three models that learned nothing: one predicts the majority label everywhere (at the majority baseline),
+    one guesses labels at random in train's proportions (above the majority on macro-F1, at chance), one is right
+    on test but at chance on dev (test never decides). None is informative; with such a reference no arm gets a
+    verdict, and a model that learned is informative."""
+    rng = np.random.default_rng(0)
+    guess = lambda gold: list(rng.choice(LABELS, len(gold), p=[0.5, 0.3, 0.2]))  # noqa: E731
+    files = lambda name, dev, test: {"-": [write_results(tmp_path / f"{name}-r{r}.json", {  # noqa: E731
+        s: (dev(), test()) for s in (1, 2)}) for r in range(3)]}
+    arms = {"majority": files("majority", lambda: ["a"] * 80, lambda: ["a"] * 60),
+            "guess": files("guess", lambda: guess(DEV), lambda: guess(GOLD)),
+            "test-only": files("test-only", lambda: guess(DEV), lambda: list(GOLD)),
+            "good": arm(tmp_path, "good", {"-": (0.9, 0.9)})}
+    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
+    rows = t["arms"]
+    assert rows["majority"]["informative"]["majority"]["mean"] == 0.0 and not rows["majority"]["informative"]["ok"]
+    g = rows["guess"]["informative"]
+    assert g["majority"]["low"] > 0 and not g["chance"]["low"] > 0 and not g["ok"] and "chance" in g["why"]
+    assert not rows["test-only"]["informative"]["ok"] and rows["test-only"]["test"]["mean"] == 1.0
+    assert rows["good"]["informative"]["ok"] and rows["good"]["informative"]["why"] is None
+    assert not t["ranked"] and all(row["difference"]["verdict"].startswith("no verdict") for arm_, row in rows.items()
+                                   if arm_ != "majority")
+    ranked = cmp.compare(arms, ev.task_kind, reference="good")["tasks"]["t"]
+    assert ranked["ranked"] and ranked["arms"]["majority"]["difference"]["verdict"] == "worse"
 
 
-def test_compare_refuses_unpaired_arms(tmp_path):
+def test_compare_refuses_unpaired_arms_and_names_what_it_leaves_out(tmp_path):
     arms = {"ref": arm(tmp_path, "ref", {"-": (0.5, 0.5)}, R=3), "x": arm(tmp_path, "x", {"-": (0.5, 0.5)}, R=2)}
     with pytest.raises(InputError, match="different numbers of replicates"):
-        ev.compare(arms)
+        cmp.compare(arms, ev.task_kind)
     with pytest.raises(InputError, match="reference arm 'BERT'"):
-        ev.compare(arms, reference="BERT")
+        cmp.compare(arms, ev.task_kind, reference="BERT")
+    ref, other = arm(tmp_path, "ref", {"-": (0.5, 0.5)}, R=1)["-"], arm(tmp_path, "o", {"-": (0.5, 0.5)}, R=1)["-"]
+    r = json.loads(other[0].read_text())
+    r["tasks"]["u"] = r["tasks"]["t"]  # a task the reference lacks
+    other[0].write_text(json.dumps(r))
+    both = cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.task_kind)
+    assert list(both["tasks"]) == ["t"] and both["left_out"] == {"u": [str(ref[0])]}
+    del r["tasks"]["t"]
+    other[0].write_text(json.dumps(r))
+    with pytest.raises(InputError, match="no task is in every results file"):
+        cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.task_kind)
 
 
-def test_table_reads_replicates_separated_by_commas(tmp_path, capsys):
-    ref, x = arm(tmp_path, "ref", {"-": (0.5, 0.5)})["-"], arm(tmp_path, "x", {"-": (0.8, 0.9)})["-"]
+def test_table_reads_replicates_separated_by_commas(tmp_path):
+    ref, x = arm(tmp_path, "ref", {"-": (0.5, 0.5)})["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)})["-"]
     text = ev.table([",".join(map(str, ref)), ",".join(map(str, x))])
     row = next(line for line in text.splitlines() if line.startswith(f"| {x[0].stem} "))
     assert "| 6 |" in row and row.endswith("| better |")
-    assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text
+    assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text
 
 
 # ----------------------------------------------------------------------------
@@ -216,7 +315,7 @@ def test_band_bound_is_the_one_sided_prediction_bound():
 
 @pytest.mark.parametrize("k, m", [(3, 3), (3, 1), (10, 3)])
 def test_band_marks_a_layer_with_no_effect_outside_at_most_5_percent_of_the_time(k, m):
-    """Controls-only data: the pair is drawn like a control (plus the noise of its text draws, which the rule
+    """Independent numbers: the pair is drawn like a control (plus the noise of its text draws, which the rule
     counts), so any "outside" is a false positive. The old rule, above the largest of 3 controls, errs 25% of the
     time with one replicate."""
     rng = np.random.default_rng(k * 10 + m)
@@ -228,3 +327,28 @@ def test_band_marks_a_layer_with_no_effect_outside_at_most_5_percent_of_the_time
     assert 0.025 <= rate <= 0.055, rate
     if k == 3 and m == 1:
         assert np.mean(pair[:, 0] > controls.max(1)) == pytest.approx(0.25, abs=0.025)
+
+
+def band_errors(rng, trials, shared, n=40, p=12, m=3):
+    """Runs as features, as the study builds them, with no effect: every run is a shared representation plus seed
+    noise of its own size (runs differ in how far they move). Pairs A_r-B_r; controls A_r-C_r (control_pairs,
+    sharing no run) or A1-A2, A1-A3, A2-A3 (shared). The share of trials marked outside the band."""
+    outside = 0
+    for _ in range(trials):
+        base = rng.normal(size=(n, p))
+        run = lambda: base + 0.6 * rng.uniform(0.7, 1.3) * rng.normal(size=(n, p))  # noqa: E731
+        A, B, C = ([run() for _ in range(m)] for _ in range(3))
+        pairs = [1 - ev.linear_cka(A[r], B[r]) for r in range(m)]
+        runs = A + B + C
+        which = [(i, j) for i in range(m) for j in range(i + 1, m)] if shared else ev.control_pairs(m, m)
+        controls = [1 - ev.linear_cka(runs[i], runs[j]) for i, j in which]
+        outside += ev.band(pairs, controls)["outside"]
+    return outside / trials
+
+
+def test_band_keeps_its_5_percent_with_controls_built_as_the_study_builds_them():
+    """Controls that share runs are correlated: their spread understates seed noise. Measured over 6,000 simulated
+    studies: 6.3% marked outside with shared controls, 4.3% with control_pairs (A_r against a control run C_r)."""
+    rng = np.random.default_rng(0)
+    disjoint = band_errors(rng, 1500, shared=False)
+    assert disjoint <= 0.055, disjoint
