@@ -28,7 +28,8 @@ import freeze
 from machinery import cli, curves, flags, progress, tracking
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
-from machinery.rundir import GracefulStop, RunDir, code_version, continuation_dir, rng_state, set_rng_state
+from machinery.rundir import (GracefulStop, RunDir, check_savable, code_version, continuation_dir, rng_state,
+                              set_rng_state)
 from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
@@ -530,6 +531,7 @@ def train(r):
     per_step, micro_batch = cfg.batch_size * cfg.seq_len, cfg.batch_size // r.accum // r.world
     total_steps = cfg.tokens // per_step
     stop_at = min(total_steps, r.phase_step + cfg.max_steps) if cfg.max_steps else total_steps
+    check_savable(checkpoint_state(r, []), max(0, total_steps - r.phase_step), per_step, FIELDS)  # before any step
     if r.rank == 0:
         progress.plan(r, total_steps)
     predicted = cfg.mask_rate if cfg.objective == "mlm" else 1.0  # CLM predicts every token
@@ -596,23 +598,26 @@ def validate(r, record, micro_batch):
     return record
 
 
+def checkpoint_state(r, rng):
+    """What a checkpoint's state.json holds now (rng: every rank's RNG states)."""
+    return dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step,
+                phase_tokens=r.phase_tokens,
+                total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
+                schedule_tokens_done=r.schedule_start + r.phase_tokens,
+                loader=r.loader.state_dict(), rng=rng,
+                config=dataclasses.asdict(r.cfg), code=r.code, tokenizer=r.meta["tokenizer"],
+                history=r.history)
+
+
 def save(r):
     """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every
     rank comes here."""
-    state = dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step,
-                 phase_tokens=r.phase_tokens,
-                 total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
-                 schedule_tokens_done=r.schedule_start + r.phase_tokens,
-                 loader=r.loader.state_dict(), rng=all_gather(rng_state(r.device), r.world),
-                 config=dataclasses.asdict(r.cfg), code=r.code, tokenizer=r.meta["tokenizer"],
-                 history=r.history)
+    state = checkpoint_state(r, all_gather(rng_state(r.device), r.world))
     if r.run_dir:
         r.run_dir.save(r.model, r.optimizer.state_tensors(), state, r.tokenizer, r.cfg.keep)
-        try:  # the picture and the card are not worth the run: the checkpoint is already written
-            curves.draw_run(r.run_dir.path)
-            r.run_dir.write_card(progress.card(r, learning_rate))
-        except OSError as e:
-            print(f"warning: no loss picture or model card this time ({e.strerror or e})")
+        # the picture and the card are not worth the run: the checkpoint is already written
+        cli.side_job("the loss picture", curves.draw_run, r.run_dir.path)
+        cli.side_job("the model card", lambda: r.run_dir.write_card(progress.card(r, learning_rate)))
         print(f"saved {r.run_dir.path} at step {r.phase_step}")
 
 

@@ -46,6 +46,19 @@ def run(main, argv=None):
             dist.destroy_process_group()
 
 
+def side_job(what, fn, *args, then="training goes on"):
+    """fn(*args) for work beside the training (a tracker, the loss picture, the model card): its failure is one
+    warning line naming `what`, and the caller goes on, since nothing the run computed depends on it. Returns
+    whether fn succeeded."""
+    try:
+        fn(*args)
+        return True
+    except Exception as e:  # whatever a tracker's network stack or a plotting library raises
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"warning: {what} failed ({type(e).__name__}: {first}); {then}", file=sys.stderr, flush=True)
+        return False
+
+
 # What torchrun sets in every process it starts: which process it is (RANK, LOCAL_RANK) of how many (WORLD_SIZE,
 # LOCAL_WORLD_SIZE), and where they meet (MASTER_ADDR, MASTER_PORT). The first four make a process one of a job.
 PROCESS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -555,10 +555,10 @@ def _list(value, field, check, limit):
 
 
 SETTINGS = {  # a setting's type name in train.py -> (check, what it expects)
-    "int": (lambda v: type(v) is int and abs(v) < MAX_INT, "an integer"),
+    "int": (lambda v: type(v) is int and abs(v) < MAX_INT, "an integer of magnitude below 2**62"),
     "float": (lambda v: type(v) is int and abs(v) < MAX_INT or type(v) is float and math.isfinite(v),
               "a finite number"),
-    "str": (lambda v: type(v) is str and len(v) <= 4096, "a string"),
+    "str": (lambda v: type(v) is str and len(v) <= 4096, "a string of at most 4096 characters"),
     "bool": (lambda v: type(v) is bool, "true or false"),
 }
 
@@ -656,30 +656,58 @@ def validate_state(state, source, phases=None, fields=None):
     names allowed; `fields`: train.py's settings {name: "int" | "float" | "str" | "bool"}. Returns the state, Adam's
     t under its name of today."""
     try:
-        if type(state) is not dict:
-            raise _Bad("(top level)", f"expected an object, got {_show(state)}")
-        if "step" in state and "adam_t" not in state:  # a checkpoint written before Adam's t had its own name
-            state = {("adam_t" if key == "step" else key): value for key, value in state.items()}
-        for key in STATE_FIELDS:
-            if key not in state:
-                raise _Bad(key, "missing")
-        for key, value in state.items():
-            if key not in STATE_FIELDS:
-                raise _Bad(key, f"not a field of a checkpoint's state (known: {', '.join(STATE_FIELDS)})")
-            if key == "config":
-                _config(value, fields)
-            else:
-                STATE_FIELDS[key](value, key)
-        for field, phase in [("phase", state["phase"]), *((f"history[{i}].phase", h["phase"])
-                                                           for i, h in enumerate(state["history"]))]:
-            if phases is not None and phase not in phases:
-                raise _Bad(field, f"{phase!r} is not a phase (known: {', '.join(phases)})")
-        if state["adam_t"] < state["phase_step"]:
-            raise _Bad("adam_t", f"{state['adam_t']} is less than phase_step {state['phase_step']}")
-        if state["total_tokens"] < state["phase_tokens"]:
-            raise _Bad("total_tokens", f"{state['total_tokens']} is less than phase_tokens {state['phase_tokens']}")
+        return _checked_state(state, phases, fields)
     except _Bad as e:
         raise InputError(f"{source}: {e.field}: {e.message}") from None
+
+
+def check_savable(state, steps_left, step_tokens, fields=None):
+    """The state a save would write at the end of the budget (`state` as it is now, `steps_left` steps of
+    `step_tokens` tokens to go; `fields`: train.py's settings and their types), checked as a save checks it: a
+    value the format cannot hold (an integer of 2**62 or more, a string of more than 4,096 characters) is refused
+    before the first step, not at the first save, after the training it was to keep."""
+    tokens = steps_left * step_tokens
+    end = {**state, "adam_t": state["adam_t"] + steps_left, "phase_step": state["phase_step"] + steps_left,
+           "phase_tokens": state["phase_tokens"] + tokens, "total_tokens": state["total_tokens"] + tokens,
+           "schedule_tokens_done": state["schedule_tokens_done"] + tokens, "files": {}}
+    try:
+        _config(end["config"], fields)  # first: the loader's state repeats the seeds, a flag names them here
+        _checked_state(end, fields=fields)
+    except _Bad as e:
+        key = e.field.removeprefix("config.")
+        if key != e.field:
+            value = state["config"][key]
+            shown = repr(value) if isinstance(value, str) else str(value)
+            raise InputError(f"--{key}={shown[:60]}{'...' * (len(shown) > 60)}: a checkpoint cannot hold it "
+                             f"({e.message}); nothing was trained") from None
+        raise InputError(f"--tokens={state['config']['tokens']:,}: at the end of this budget the checkpoint's "
+                         f"{e.field} cannot be saved ({e.message}); nothing was trained") from None
+
+
+def _checked_state(state, phases=None, fields=None):
+    """validate_state's checks; a failure is _Bad(field, message)."""
+    if type(state) is not dict:
+        raise _Bad("(top level)", f"expected an object, got {_show(state)}")
+    if "step" in state and "adam_t" not in state:  # a checkpoint written before Adam's t had its own name
+        state = {("adam_t" if key == "step" else key): value for key, value in state.items()}
+    for key in STATE_FIELDS:
+        if key not in state:
+            raise _Bad(key, "missing")
+    for key, value in state.items():
+        if key not in STATE_FIELDS:
+            raise _Bad(key, f"not a field of a checkpoint's state (known: {', '.join(STATE_FIELDS)})")
+        if key == "config":
+            _config(value, fields)
+        else:
+            STATE_FIELDS[key](value, key)
+    for field, phase in [("phase", state["phase"]), *((f"history[{i}].phase", h["phase"])
+                                                       for i, h in enumerate(state["history"]))]:
+        if phases is not None and phase not in phases:
+            raise _Bad(field, f"{phase!r} is not a phase (known: {', '.join(phases)})")
+    if state["adam_t"] < state["phase_step"]:
+        raise _Bad("adam_t", f"{state['adam_t']} is less than phase_step {state['phase_step']}")
+    if state["total_tokens"] < state["phase_tokens"]:
+        raise _Bad("total_tokens", f"{state['total_tokens']} is less than phase_tokens {state['phase_tokens']}")
     return state
 
 

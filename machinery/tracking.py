@@ -4,12 +4,14 @@ Biases or trackio too (--log_to), from rank 0. A reader of the recipe may skip t
 Each tracker names a run after the run directory and keeps it across --resume: TensorBoard writes into
 OUT/tensorboard and hides the steps a resumed run logs again (purge_step); W&B and trackio continue the run
 whose id is OUT's run_id (resume="allow"). A tracker asked for but not installed, or that cannot start (W&B
-without a login), stops the run at start: the user asked to watch it, and log.jsonl is there either way.
+without a login), stops the run at start: the user asked to watch it, and log.jsonl is there either way. A tracker
+that fails once the run is going (a network error at its Nth call) is a side job's failure: one warning, it gets no
+more records, and training goes on; log.jsonl holds every record, and a --resume starts it again.
 """
 import importlib.util
 import os
 
-from machinery.cli import InputError
+from machinery.cli import InputError, side_job
 
 PROJECT = "modernbert"  # the W&B and trackio project, unless $WANDB_PROJECT or $TRACKIO_PROJECT names one
 
@@ -17,6 +19,9 @@ PROJECT = "modernbert"  # the W&B and trackio project, unless $WANDB_PROJECT or 
 def names(log_to):
     """--log_to's trackers, checked: known names, each installed. Before any data is read."""
     chosen = [n.strip() for n in log_to.split(",") if n.strip()]
+    twice = sorted({n for n in chosen if chosen.count(n) > 1})
+    if twice:  # it would get every point twice
+        raise InputError(f"--log_to={log_to}: {', '.join(twice)} is named twice; name each tracker once")
     for name in chosen:
         if name not in TRACKERS:
             raise InputError(f"--log_to={log_to}: {name!r} is not a tracker; expected some of "
@@ -31,10 +36,10 @@ class Trackers:
     """The trackers of one run: log(record) sends a log.jsonl record to each, close() flushes them."""
 
     def __init__(self, log_to="", out_dir="", run_id="", config=None, first_step=1):
-        self.sinks = []
+        self.sinks = {}  # name -> tracker, those still working
         try:
             for name in names(log_to):
-                self.sinks.append(TRACKERS[name](out_dir, run_id, config, first_step))
+                self.sinks[name] = TRACKERS[name](out_dir, run_id, config, first_step)
         except InputError:
             self.close()
             raise
@@ -47,13 +52,16 @@ class Trackers:
         """Every number of the record at its step (the phase, a word, is the run's: not a curve)."""
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
                    and not isinstance(v, bool)}
-        for sink in self.sinks:
-            sink.log(scalars, record["step"])
+        for name, sink in list(self.sinks.items()):
+            if not side_job(f"--log_to: {name} at step {record['step']}", sink.log, scalars, record["step"],
+                            then="it gets no more records in this run; log.jsonl holds them all"):
+                del self.sinks[name]
+                side_job(f"--log_to: closing {name}", sink.close)
 
     def close(self):
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        for name, sink in self.sinks.items():
+            side_job(f"--log_to: closing {name}", sink.close)
+        self.sinks = {}
 
 
 def run_name(out_dir):

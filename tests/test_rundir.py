@@ -681,6 +681,24 @@ def test_validate_state_accepts_a_good_state_and_the_top_level_must_be_an_object
         validate_state([good], "s.json")
 
 
+def test_a_state_a_save_would_refuse_is_refused_before_the_first_step():
+    """check_savable: the state at the end of the budget, checked as a save checks it; the message names the flag
+    (a setting's own, or --tokens for a counter the budget would push past 2**62)."""
+    kinds = {"lr": "float", "seed": "int", "recipe": "str", "compile": "bool", "tokens": "int", "license": "str"}
+    state = make_state(4)
+    state["config"].update(tokens=10 ** 6, license="")
+    rundir.check_savable(state, 1000, 64, kinds)  # within every bound: nothing to say
+    state["config"]["license"] = "a" * 5000
+    with pytest.raises(InputError, match=r"^--license='a{59}\.\.\.: a checkpoint cannot hold it \(expected a string "
+                                         r"of at most 4096 characters.*nothing was trained$"):
+        rundir.check_savable(state, 1000, 64, kinds)
+    state["config"]["license"] = ""
+    state["history"][0]["tokens"] = state["total_tokens"] = 2 ** 62 - 1000  # the runs before it, nearly full
+    with pytest.raises(InputError, match=r"^--tokens=1,000,000: at the end of this budget the checkpoint's "
+                                         r"total_tokens cannot be saved \(expected an integer in \[0, 2\*\*62\)"):
+        rundir.check_savable(state, 1000, 64, kinds)
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda f: open(f + "/state.json", "w").write('{"step": "5"'), "state.json: not valid JSON"),
     (lambda f: open(f + "/state.json", "w").write("[" * 100000 + "]" * 100000), "state.json: not valid JSON"),

@@ -1,5 +1,6 @@
 """--log_to: the records of log.jsonl sent live to TensorBoard, Weights & Biases (offline) and trackio (local), read
-back and compared with log.jsonl across a resume; a tracker asked for but not installed is one line at start."""
+back and compared with log.jsonl across a resume; a tracker asked for but not installed, or named twice, is one line
+at start; a tracker, the loss picture or the model card failing mid-run is a warning, and training goes on."""
 import glob
 import importlib.util
 import json
@@ -11,7 +12,7 @@ import time
 import pytest
 
 import train
-from machinery import cli
+from machinery import cli, tracking
 from machinery.rundir import RunDir
 
 SMALL = ["--preset=tiny", "--seq_len=128", "--batch_size=4", "--micro_batch_size=2", "--eval_sequences=2",
@@ -130,9 +131,78 @@ def test_a_tracker_not_installed_is_one_line_at_start(demo_corpus, tmp_path, cap
     out = tmp_path / "run"
     for flags, words in ((["--log_to=tensorboard,wandb"], "the wandb package is not installed (pip install wandb)"),
                          (["--log_to=mlflow"], "'mlflow' is not a tracker; expected some of tensorboard, wandb, "
-                                               "trackio")):
+                                               "trackio"),
+                         (["--log_to=tensorboard,tensorboard"], "tensorboard is named twice; name each tracker once")):
         with pytest.raises(SystemExit) as stop:
             cli.run(train.main, [f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, *flags])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err, err
         assert not (out / "checkpoints").exists()
+
+
+class Flaky:
+    """A tracker whose network fails at its `fail_at`-th log call (and, with `close_fails`, at its close)."""
+    fail_at, close_fails, made = 3, False, []
+
+    def __init__(self, out_dir, run_id, config, first_step):
+        self.logged, self.closed = [], 0
+        Flaky.made.append(self)
+
+    def log(self, scalars, step):
+        if len(self.logged) + 1 == self.fail_at:
+            raise ConnectionError("Connection reset by peer\nmore lines of the network stack")
+        self.logged.append(step)
+
+    def close(self):
+        self.closed += 1
+        if self.close_fails:
+            raise TimeoutError("the server did not answer")
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flaky" else real(name, *a))
+    monkeypatch.setitem(tracking.TRACKERS, "flaky", Flaky)
+    monkeypatch.setattr(Flaky, "made", [])
+    return Flaky
+
+
+def test_a_tracker_that_fails_mid_run_is_a_warning_and_training_goes_on(demo_corpus, tmp_path, capsys, flaky):
+    """A network error at the tracker's 3rd call (step 2's validation record): one warning naming it, no more calls
+    to it, and the run trains, logs and saves every step to its end."""
+    out = tmp_path / "run"
+    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, "--log_to=flaky"])
+    (tracker,) = flaky.made
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --log_to: flaky at step 2 failed (ConnectionError: Connection reset by peer); it "
+                        "gets no more records in this run; log.jsonl holds them all"], err
+    assert tracker.logged == [1, 2] and tracker.closed == 1  # closed when dropped, never called again
+    assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "loss" in r] == [1, 2, 3, 4, 5]
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 5
+
+
+def test_a_tracker_that_fails_to_close_is_a_warning(demo_corpus, tmp_path, capsys, flaky, monkeypatch):
+    monkeypatch.setattr(flaky, "fail_at", 0)
+    monkeypatch.setattr(flaky, "close_fails", True)
+    out = tmp_path / "run"
+    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, "--log_to=flaky"])
+    assert "warning: --log_to: closing flaky failed (TimeoutError: the server did not answer)" in capsys.readouterr().err
+    assert flaky.made[0].closed == 1 and RunDir.open(str(out)).latest_state()["phase_step"] == 5
+
+
+@pytest.mark.parametrize("broken", ["picture", "card"])
+def test_a_picture_or_card_that_fails_is_a_warning_and_the_checkpoints_are_kept(broken, demo_corpus, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Not OSError alone: whatever the plotting or the card's text raises costs a warning, never a step."""
+    def fails(*args):
+        raise ValueError("a bug in the drawing")
+    monkeypatch.setattr(*((train.curves, "draw_run") if broken == "picture" else (train.progress, "card")), fails)
+    out = tmp_path / "run"
+    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL])
+    what = {"picture": "the loss picture", "card": "the model card"}[broken]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {what} failed (ValueError: a bug in the drawing); training goes on"] * 3  # 3 saves
+    assert RunDir.open(str(out)).latest_state()["phase_step"] == 5
+    assert (out / "loss.png").is_file() == (broken == "card") and (out / "README.md").is_file() == (broken == "picture")

@@ -127,6 +127,12 @@ BAD_FLAGS = [
     (["--license=Apache 2.0"], ["--license='Apache 2.0'", "apache-2.0"]),  # the model card's front matter
     (["--language=English"], ["--language='English'", "en,de"]),
     (["--base_model=a/b/c"], ["--base_model='a/b/c'", "hub id"]),
+    # accepted by the flags, beyond what a checkpoint holds (integers below 2**62, strings of 4,096 characters):
+    # refused before the first step, not at the first save after it (--max_steps: a step that would be lost)
+    (["--tokens=5e18", "--max_steps=1"], ["--tokens=5000000000000000000", "a checkpoint cannot hold it",
+                                         "nothing was trained"]),
+    (["--seed=4611686018427387904", "--max_steps=1"], ["--seed=4611686018427387904", "a checkpoint cannot hold it",
+                                                      "nothing was trained"]),
     # a micro-batch no machine holds (8 TiB of ids): the allocator's failure, as one line naming what to lower
     (["--batch_size=1099511627776", "--micro_batch_size=1099511627776", "--seq_len=3", "--tokens=1e13"],
      ["out of memory on cpu in step 1", "8.00 TiB", "1099511627776 x 3 tokens", "4 blocks 128 wide",
