@@ -32,8 +32,8 @@ import torch
 
 from machinery.cli import InputError, Parser, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, make_writable_dir,
-                               publish, read_documents, tokenize, workspace, write_docstrings,
-                               write_documents, write_file)
+                               publish, read_documents, tokenize, worker_count, workspace,
+                               write_docstrings, write_documents, write_file)
 from machinery.tokenfiles import SPLITS, check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
 
@@ -261,11 +261,12 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
     sources = find_sources(inputs)
     names, workers = [s.name for s in sources], usable_cores() if workers is None else workers
     check_prepare_args(names, out, mix, val_fraction, seed, workers)
+    workers = worker_count(workers, sources, field)  # no more than the cores and the pieces
     tokenizer = tokenizer_spec
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer_spec)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    with workspace(out) as tmp, Workers(workers, tokenizer) as pool:
+    with workspace(out) as (tmp, lock), Workers(workers, tokenizer, lock) as pool:
         # every document as [CLS] ids [SEP], source after source, in input order
         tokens = tmp / "all.tokens"
         lengths, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,

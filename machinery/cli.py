@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,9 +22,33 @@ class InputError(ValueError):
         self.every_rank = every_rank
 
 
+class Stop(KeyboardInterrupt):
+    """A stop asked for by a signal (Ctrl-C's SIGINT, or SIGTERM under stop_on_sigterm), with what it left behind:
+    `run` prints it as one line and exits with 128 + the signal's number, as a shell reports such a stop."""
+
+    def __init__(self, message="", signum=signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Inside the block SIGTERM stops the work as Ctrl-C does (a Stop raised where the main thread is), so that
+    the `with` and `finally` blocks it is in clean up: a pool's workers ended, a temporary folder removed, a lock
+    released. The previous handler comes back after."""
+    def stop(signum, frame):
+        raise Stop(signum=signum)
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run(main, argv=None):
     """Call main(argv). An InputError becomes one line on stderr (rank 0 only under torchrun) and exit 2;
-    so does a collective that waited past its timeout (a peer stalled or died), never a hang."""
+    so does a collective that waited past its timeout (a peer stalled or died), never a hang. A stop (Ctrl-C, or
+    a SIGTERM the command turned into one) is one line too, never a traceback."""
     try:
         return main(argv)
     except InputError as e:
@@ -31,6 +56,12 @@ def run(main, argv=None):
             print(f"error: {e}", file=sys.stderr, flush=True)
         e.__traceback__ = e.__context__ = None  # drop main()'s frames now: they may hold a run directory's lock
         raise SystemExit(2) from None
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        if reports_errors():
+            print(f"stopped by {signal.Signals(signum).name}{': ' * bool(str(e))}{e}", file=sys.stderr, flush=True)
+        e.__traceback__ = e.__context__ = None
+        raise SystemExit(128 + signum) from None
     except RuntimeError as e:  # how gloo and NCCL report a collective that waited past the timeout
         dist = sys.modules.get("torch.distributed")
         if not (dist and dist.is_initialized() and "timed out" in str(e).lower()):
@@ -57,6 +88,17 @@ def side_job(what, fn, *args, then="training goes on"):
         first = (str(e).strip().splitlines() or [""])[0][:300]
         print(f"warning: {what} failed ({type(e).__name__}: {first}); {then}", file=sys.stderr, flush=True)
         return False
+
+
+def die_with(parent):
+    """For a child process, run first thing in it: the kernel sends it SIGKILL when `parent` dies, even by SIGKILL,
+    so that nothing it holds (a lock, a half-written file, a stage's run) outlives the process that started it.
+    Linux only (prctl); elsewhere the check after it still catches a parent that died before the child started."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before that took effect
+        os._exit(1)
 
 
 # What torchrun sets in every process it starts: which process it is (RANK, LOCAL_RANK) of how many (WORLD_SIZE,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.cli import InputError, sha256_file
+from machinery.cli import InputError, Stop, die_with, sha256_file, stop_on_sigterm, usable_cores
 from machinery.rundir import hold_lock, release_lock
 from machinery.tokenizer import is_int
 
@@ -89,10 +89,14 @@ def find_sources(inputs):
 
 def find_source(path):
     if path.is_dir():
-        files = sorted((p for p in path.iterdir() if p.is_file() and file_kind(p)), key=lambda p: p.name)
+        # A hidden file is no shard: a download in progress (.part-3.jsonl), a copy's metadata (._part-3.jsonl).
+        entries = sorted(path.iterdir(), key=lambda p: p.name)
+        files = [p for p in entries if p.is_file() and file_kind(p) and not p.name.startswith(".")]
         if not files:
-            raise InputError(f"{path}: a folder with no file to read in it; expected {EXPECTED} files")
-        skipped = sorted(p.name for p in path.iterdir() if p not in files and not p.name.startswith("."))
+            raise InputError(f"{path}: a folder with no file to read in it; expected {EXPECTED} files"
+                             + (" (hidden files, whose names start with '.', are not read)" * any(
+                                 file_kind(p) for p in entries)))
+        skipped = [p.name for p in entries if p not in files and (not p.name.startswith(".") or file_kind(p))]
         if skipped:  # a folder of shards beside a README is usual; a subfolder of shards is not read
             more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
             print(f"{path}: source {path.resolve().name} reads its {len(files)} files of text, not "
@@ -385,8 +389,15 @@ def use_tokenizer(tokenizer):
     _tokenizer = tokenizer
 
 
-def start_worker(tokenizer):
+def start_worker(tokenizer, parent, lock_fd):
+    """A worker's first act. It dies with the parent, even a parent killed by SIGKILL, and lets go of the output's
+    lock, which a forked child shares with the parent: else a killed prepare's workers would go on holding it, and
+    every later prepare into that folder would be refused."""
+    die_with(parent)
+    if lock_fd is not None:
+        os.close(lock_fd)  # this copy only: the parent's descriptor keeps the lock
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, which ends its workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's stop: its terminate() ends a worker at once
     use_tokenizer(tokenizer)
 
 
@@ -404,18 +415,20 @@ class Later:
 class Workers:
     """n processes running tasks (n = 1: this process). Forked where the system can (a worker then imports
     nothing; a spawned one imports data.py, torch with it). A worker that dies (killed for memory) is an
-    InputError, never a wait for a result that will not come."""
+    InputError, never a wait for a result that will not come. `lock`: the open lock file of the output, which
+    no worker keeps."""
 
-    def __init__(self, n, tokenizer):
-        self.n, self.tokenizer, self.pool = n, tokenizer, None
+    def __init__(self, n, tokenizer, lock=None):
+        self.n, self.tokenizer, self.lock, self.pool = n, tokenizer, lock, None
 
     def __enter__(self):
         if self.n == 1:
             use_tokenizer(self.tokenizer)
         else:
-            start = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            self.pool = ProcessPoolExecutor(self.n, multiprocessing.get_context(start), initializer=start_worker,
-                                            initargs=(self.tokenizer,))
+            fork = "fork" in multiprocessing.get_all_start_methods()
+            lock_fd = self.lock.fileno() if fork and self.lock is not None else None  # a spawned one has none
+            self.pool = ProcessPoolExecutor(self.n, multiprocessing.get_context("fork" if fork else "spawn"),
+                                            initializer=start_worker, initargs=(self.tokenizer, os.getpid(), lock_fd))
         return self
 
     def submit(self, fn, *args):
@@ -438,13 +451,32 @@ class Workers:
 # Tokenizing: every document as [CLS] ids [SEP], end to end, in input order
 
 
+def pieces_of(sources, field, n):
+    """The pieces of every file of every source, sized for n workers: [source][file][piece]."""
+    total = sum(os.path.getsize(f) for s in sources for f in s.files)
+    piece_bytes = max(1, min(PIECE_BYTES, total // (PIECES_PER_WORKER * n)))
+    return [[plan(f, piece_bytes, field) for f in s.files] for s in sources]
+
+
+def worker_count(requested, sources, field):
+    """The worker processes a prepare starts: `requested`, but no more than the cores this process may use nor
+    the pieces its inputs make (a worker beyond either would only wait: a compressed file is one piece), said in
+    one line when it is fewer. Checked before any process is started."""
+    cores = usable_cores()
+    pieces = sum(len(file) for source in pieces_of(sources, field, min(requested, cores)) for file in source)
+    n = min(requested, cores, pieces)
+    if n < requested:
+        why = f"this process may use {cores} cores" if n == cores else f"the input makes {pieces} pieces"
+        print(f"--workers={requested}: {n} worker process{'es' * (n > 1)} ({why})", flush=True)
+    return n
+
+
 def tokenize(sources, field, dtype, dst, workers, desc):
     """Every document of every source as [CLS] ids [SEP] in dst, in input order: pieces tokenized by the workers,
     joined here in order as they finish. Returns (document lengths per source, bytes of text, sha256 of each
     source's files); a source without a document is an InputError."""
     total = sum(os.path.getsize(f) for s in sources for f in s.files)
-    piece_bytes = max(1, min(PIECE_BYTES, total // (PIECES_PER_WORKER * workers.n)))
-    pieces = [[plan(f, piece_bytes, field) for f in s.files] for s in sources]
+    pieces = pieces_of(sources, field, workers.n)
     digests = [[workers.submit(sha256_file, f) for f in s.files] for s in sources]  # first: a whole file each
     tasks = [[[workers.submit(tokenize_piece, p, field, dtype.name, dst.with_name(f"piece-{i}-{j}-{k}.tokens"))
                for k, p in enumerate(file)] for j, file in enumerate(source)] for i, source in enumerate(pieces)]
@@ -589,19 +621,24 @@ TEMP_FOLDER = re.compile(r"\.prepare-\d+-[0-9a-f]{8}")  # where one prepare writ
 
 @contextlib.contextmanager
 def workspace(out):
-    """A folder of this process's own inside out, under out/.lock: a failure (a full disk) leaves nothing
-    half-written, and a second prepare into the same folder while this one runs is refused."""
+    """(a folder of this process's own inside out, the lock): the work happens under out/.lock, so that a failure
+    (a full disk) leaves nothing half-written and a second prepare into the same folder while this one runs is
+    refused. Ctrl-C or SIGTERM stops it the same way: one line, and out as it was before."""
     lock = hold_lock(out / ".lock", f"--out={out}: another data.py prepare is writing there (it holds "
                                     f"{out / '.lock'}); wait for it or choose another --out")
     tmp = out / f".prepare-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        for stale in out.iterdir():  # left by a prepare that was killed: the lock says none runs
-            if TEMP_FOLDER.fullmatch(stale.name):
-                remove_temp_folder(stale)
-        tmp.mkdir()
-        yield tmp
+        with stop_on_sigterm():
+            for stale in out.iterdir():  # left by a prepare that was killed: the lock says none runs
+                if TEMP_FOLDER.fullmatch(stale.name):
+                    remove_temp_folder(stale)
+            tmp.mkdir()
+            yield tmp, lock
     except OSError as e:
         raise InputError(f"{e.filename or out}: {e.strerror or e}; nothing half-written is left in {out}") from None
+    except KeyboardInterrupt as e:
+        raise Stop(f"data.py prepare left no half-written file in {out}", getattr(e, "signum", signal.SIGINT)) \
+            from None
     finally:
         remove_temp_folder(tmp)
         release_lock(lock)
@@ -609,10 +646,15 @@ def workspace(out):
 
 def publish(tmp, out, files):
     """Move the files from tmp into out. meta.json goes first and comes back last: a directory with a meta.json
-    always holds the .bin files it describes."""
-    (out / "meta.json").unlink(missing_ok=True)
-    for name in files:
-        os.replace(tmp / name, out / name)
+    always holds the .bin files it describes. Ctrl-C and SIGTERM wait for the renames (a kill cannot: it leaves
+    no meta.json)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        (out / "meta.json").unlink(missing_ok=True)
+        for name in files:
+            os.replace(tmp / name, out / name)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def remove_temp_folder(folder):

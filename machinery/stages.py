@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machinery.cli import InputError, read_json, write_json
+from machinery.cli import InputError, die_with, read_json, write_json
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
 GRACE = 60  # seconds a stage has to stop after SIGTERM (a training ends its step and saves) before SIGKILL
@@ -148,18 +148,6 @@ def stage_record(out, name, fingerprint_):
     return saved if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint_ else {}
 
 
-def die_with_driver(driver):
-    """Runs in a stage's process before its command: the kernel sends it SIGKILL when the driver dies, even by
-    SIGKILL, so that no stage outlives its driver (a SIGTERM would let it save while a rerun starts beside it)."""
-    def set_up():
-        if sys.platform.startswith("linux"):
-            import ctypes
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != driver:  # the driver died before that took effect
-            os._exit(1)
-    return set_up
-
-
 def launch(stage, out, fingerprint_, threads):
     command, verb = stage.command, "run"
     if stage.run_dir and has_checkpoint(stage.run_dir):
@@ -171,8 +159,10 @@ def launch(stage, out, fingerprint_, threads):
     write_json(out / "stages" / f"{stage.name}.json", dict(fingerprint=fingerprint_, command=shown(stage.command, out),
                                                           threads=threads, finished=False))
     log = open(out / "logs" / f"{stage.name}.log", "a")
+    # die_with: no stage outlives its driver (a SIGTERM would let it save while a rerun starts beside it)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_driver(os.getpid()))
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=functools.partial(die_with, os.getpid()))
     return stage, proc, log, time.time()
 
 

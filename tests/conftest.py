@@ -41,6 +41,19 @@ def torch_adamw_oracle(model, peak_lr, weight_decay, betas=(0.9, 0.98), eps=1e-6
                              lr=peak_lr, betas=betas, eps=eps)
 
 
+def children(pid):
+    """The processes whose parent is `pid` (Linux /proc: the 4th field of /proc/N/stat, after the name)."""
+    import contextlib
+    import os
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
 def made_up_texts(path, count, shortest, longest):
     """path: a JSONL of `count` made-up biomedical-sounding texts of shortest to longest - 1 words, the same at
     every call (texts for CKA and the needle that no model has seen)."""

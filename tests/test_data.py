@@ -1,4 +1,5 @@
 """data.py: tokenizer parity with Hugging Face `tokenizers`, prepare, the loader's order, masks, resume, bad inputs."""
+import contextlib
 import gzip
 import hashlib
 import json
@@ -6,9 +7,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import unicodedata
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 import data
-from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
+from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, children, need, tiny_model
 from machinery import prepare as prep
 from machinery import tokenizer as tok
 from machinery import tokenfiles
@@ -390,6 +393,7 @@ def test_prepare_writes_the_golden_bytes_with_any_number_of_workers(tmp_path, mo
     """Pieces of every size (down to one line, or one .txt document, each), blocks of a few documents and batches of
     one: the bytes of the single-process prepare."""
     inputs = golden_corpus(tmp_path)
+    monkeypatch.setattr(prep, "usable_cores", lambda: 8)  # 3 workers even where fewer cores would bound them
     monkeypatch.setattr(prep, "BLOCK_TOKENS", 1000)
     monkeypatch.setattr(prep, "BATCH_BYTES", 300)
     if piece_bytes:
@@ -466,6 +470,24 @@ def test_compressed_files_folders_and_globs_read_as_the_plain_files(tmp_path, ca
     assert [s["name"] for s in globbed["sources"]] == ["code", "notes", "web"] and globbed == listed
 
 
+def test_a_folders_hidden_files_are_not_read(tmp_path, capsys):
+    """A download in progress (.part-1.jsonl) and a copy's metadata (._part-0.jsonl, not even text) beside the
+    shards are no corpus: not read, and named; a folder of hidden files alone says why it has nothing to read."""
+    shards = tmp_path / "web"
+    shards.mkdir()
+    write_jsonl(shards / "part-0.jsonl", ["one text", "two texts", "three texts"])
+    write_jsonl(shards / ".part-1.jsonl", ["half a download"])
+    (shards / "._part-0.jsonl").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    (shards / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    meta = data.prepare([shards], "bytes", tmp_path / "out", workers=1)
+    assert [f["name"] for f in meta["sources"][0]["files"]] == ["part-0.jsonl"] and meta["sources"][0]["documents"] == 3
+    assert f"{shards}: source web reads its 1 files of text, not ._part-0.jsonl, .part-1.jsonl\n" in capsys.readouterr().out
+    (shards / "part-0.jsonl").unlink()
+    with pytest.raises(InputError, match=r"web: a folder with no file to read in it; .*hidden files, whose names start "
+                                         r"with '\.', are not read"):
+        data.prepare([shards], "bytes", tmp_path / "out", workers=1)
+
+
 def test_a_bad_line_is_named_by_its_line_in_the_file_whatever_piece_holds_it(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "PIECE_BYTES", 200)
     good = [json.dumps({"text": f"document {i}"}) + "\n" for i in range(300)]
@@ -511,6 +533,114 @@ def test_a_worker_that_dies_is_one_error_not_a_wait(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="a worker process of data.py prepare died .*lower --workers"):
         data.prepare([corpus], "bytes", tmp_path / "out", workers=2)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+def test_the_worker_count_is_bounded_by_the_cores_and_the_pieces(tmp_path, monkeypatch, capsys):
+    """An absurd --workers starts no more processes than the cores this process may use, nor than the pieces of
+    its input (a compressed file is one), and says so; the bytes are those of one worker."""
+    started, pool = [], prep.ProcessPoolExecutor
+    monkeypatch.setattr(prep, "ProcessPoolExecutor", lambda n, *a, **k: started.append(n) or pool(n, *a, **k))
+    monkeypatch.setattr(prep, "usable_cores", lambda: 3)
+    rng = random.Random(5)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [words(rng, 30) for _ in range(400)])
+    data.prepare([corpus], "bytes", tmp_path / "one", workers=1)
+    capsys.readouterr()
+    data.prepare([corpus], "bytes", tmp_path / "many", workers=12)
+    assert started == [3] and "--workers=12: 3 worker processes (this process may use 3 cores)\n" in capsys.readouterr().out
+    assert folder(tmp_path / "many").keys() == folder(tmp_path / "one").keys()
+    assert all(folder(tmp_path / "many")[n] == folder(tmp_path / "one")[n] for n in ("train.bin", "val.bin"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        compress(write_jsonl(shards / f"part-{i}.jsonl", [words(rng, 30) for _ in range(50)]), ".gz")
+        (shards / f"part-{i}.jsonl").unlink()
+    data.prepare([shards], "bytes", tmp_path / "gz", workers=3)
+    assert started == [3, 2] and "--workers=3: 2 worker processes (the input makes 2 pieces)\n" in capsys.readouterr().out
+
+
+# A prepare whose workers stay busy with their first batch for as long as a test needs: stopped or killed then.
+SLOW_PREPARE = """import sys, time
+sys.path.insert(0, sys.argv[1])
+import data
+from machinery import cli, prepare
+prepare.frame = lambda *args: time.sleep(600)
+cli.run(data.main, sys.argv[2:])
+"""
+
+
+def alive(pid):
+    """Whether the process pid runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def busy_prepare(corpus, out):
+    """(the process, its workers) of `data.py prepare --workers 2` into out, once its temporary folder exists and
+    both workers are tokenizing."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(ROOT), "prepare", "--input", str(corpus),
+                             "--tokenizer", "bytes", "--out", str(out), "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while len(workers := children(proc.pid)) < 2 or not list(out.glob(".prepare-*/piece-*")):
+        if proc.poll() is not None or time.time() > deadline:
+            gone([proc.pid, *workers], 0)
+            pytest.fail(f"the prepare did not start its workers: {proc.communicate()}")
+        time.sleep(0.05)
+    return proc, workers
+
+
+def gone(pids, seconds=20):
+    """Whether the processes have all ended within `seconds`; those left are killed (by pid) either way."""
+    deadline = time.time() + seconds
+    while any(map(alive, pids)) and time.time() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return not left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_a_stopped_prepare_is_one_line_and_leaves_the_folder_as_it_was(signum, tmp_path):
+    """Ctrl-C (the terminal signals the whole group; the workers leave it to the parent) or SIGTERM to the parent,
+    while the workers tokenize: one line, the workers ended, and out as it was, its earlier corpus whole."""
+    (a, b), _ = two_corpora(tmp_path)
+    out = tmp_path / "out"
+    data.prepare([a], "bytes", out, workers=1)
+    before = folder(out)
+    proc, workers = busy_prepare(b, out)
+    try:
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        assert gone([proc.pid, *workers])
+    last = err.rstrip("\n").split("\n")[-1]  # after the progress bar
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    assert last == f"stopped by {signal.Signals(signum).name}: data.py prepare left no half-written file in {out}"
+    assert folder(out) == before
+
+
+def test_a_killed_prepare_takes_its_workers_and_leaves_the_folder_free(tmp_path):
+    """SIGKILL to the parent: its workers die with it and hold no lock, so the next prepare into the folder runs
+    (and removes what the killed one left)."""
+    (a, b), (ref_a, _) = two_corpora(tmp_path)
+    out = tmp_path / "out"
+    proc, workers = busy_prepare(b, out)
+    proc.kill()
+    proc.wait()  # not its output: a worker that outlived it would hold the pipes open
+    assert gone(workers), "the workers outlived their parent"
+    proc.communicate(timeout=60)
+    release_lock(hold_lock(out / ".lock", "the lock is still held"))
+    data.prepare([a], "bytes", out, workers=1)
+    assert folder(out) == ref_a
 
 
 def test_parquet_input(tmp_path):

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 import bench
 import data
 import train
-from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
+from conftest import BYTE_IDS, ROOT, children, tiny_model, torch_adamw_oracle
 from machinery.cli import autocast
 from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig, read_config
 from test_backends import LAYOUTS, attend, attention_case, largest_difference
@@ -287,17 +287,6 @@ def weights_stamp(out):
     except FileNotFoundError:
         return None
     return s.st_ino, s.st_mtime_ns, s.st_size
-
-
-def children(pid):
-    """The processes whose parent is `pid` (Linux /proc: the 4th field of /proc/N/stat, after the name)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-    return found
 
 
 def kill_after_next_checkpoint(proc, out, stamp):
