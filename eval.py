@@ -40,7 +40,8 @@ from data import load_meta
 from machinery import evalcli
 from machinery.cli import InputError, autocast, pick_device, run, save
 from machinery.compare import compare, interval, t_interval, t_quantile, verdict
-from machinery.models import as_list, distinct_models, inspect_model, load_weights, model_tokenizer
+from machinery.models import (as_list, check_outputs, distinct_models, inspect_model, load_weights, model_files,
+                              model_tokenizer)
 from machinery.tasks import SPLITS, cached_seed, is_number, read_jsonl, read_task, source_digest
 from model import IGNORE_INDEX
 
@@ -235,6 +236,7 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
                          f"(of 2 texts it is 1 whatever the models)")
     paths = [*a_runs, *b_runs, *controls]
     infos = distinct_models(paths, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
+    check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
     device = pick_device(device)
     draws = {s: np.random.default_rng(s).choice(len(pool), n, replace=False) for s in seeds}
@@ -709,6 +711,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     contents and the code that fine-tunes: a later call reuses exactly the pairs whose inputs did
     not change."""
     tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
+    check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds")])
     names = [t["name"] for t in tasks]
     if len(set(names)) < len(names):
         raise InputError(f"task folders must have distinct names, got {names}")
@@ -852,6 +855,7 @@ def curves(runs, out, names=None):
             raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
     if names is not None and len(names) != len(runs):
         raise InputError(f"--names gives {len(names)} names for {len(runs)} runs")
+    check_outputs("--out", [out], [Path(folder) / "log.jsonl" for folder in runs])
     return draw_runs([str(r) for r in runs], str(out), names=names)
 
 
@@ -1002,6 +1006,8 @@ def needle(models, texts, names=None, lengths=(512, 1024, 2048, 4096, 8192), dep
             raise InputError(f"{info['path']} has the same weights as {seen[info['sha256']]}; each model and "
                              f"replicate must be a run of its own")
         seen[info["sha256"]] = info["path"]
+    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
+                  [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
     if len({t.fingerprint for t in toks}) > 1:
         raise InputError("the models use different tokenizers; the examples are token sequences, the same for "

@@ -46,7 +46,7 @@ import sys
 import threading
 import uuid
 
-from machinery.cli import InputError, read_json, write_json
+from machinery.cli import InputError, Stop, read_json, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version hashes it
 RUN_FILE = "run.json"
@@ -781,5 +781,5 @@ class GracefulStop:
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}")
+            raise Stop("a second signal: stopped at once; the newest checkpoint is the run's last", signum)
         self.requested, self.signal_name = True, signal.Signals(signum).name

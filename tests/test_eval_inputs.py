@@ -41,6 +41,7 @@ def inputs(tmp_path_factory):
     (make_model(root / "noweights", 0, **BYTE_IDS) / "model.safetensors").unlink()
     make_model(root / "mismatch", 0)  # ModernBERT's special ids, the byte tokenizer's files
     write(root / "texts.jsonl", "".join(f'{{"text": "a b c {w}"}}\n' for w in "defg"))
+    shutil.copy(root / "texts.jsonl", root / "held.examples.jsonl")  # held-out texts named as needle's examples
     (root / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     write(root / "surrogate.jsonl", '{"text": "ok"}\n{"text": "lone \\ud800 half"}\n')
     write(root / "results.json", "[]")
@@ -125,13 +126,24 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("finetune {model} --task={root}/onelabel", "train.jsonl: 1 distinct label(s) ['x']: nothing to learn"),
     ("finetune {model} --task={root}/emptylabel", "emptylabel/train.jsonl:3: expected an object"),
     ("finetune {model} --task={root}/mixed", "mixed/dev.jsonl:3: label ['x'] mixes single-label and multi"),
-    ("finetune {model} --task={task} --out={texts}/r.json", "r.seeds: cannot create it"),
+    ("finetune {model} --task={task} --out={texts}/r.json", "cannot make its folder"),
     ("table {root}/ok.json {root}/ok.json", "a results file is given twice"),
     ("table {root}/nan.json", "task 't' lacks a finite macro_f1 test score"),
     ("table {root}/noseeds.json", "task 't' lacks a finite macro_f1 test score"),
     ("curves {root} --out={root}/c.png", "no log.jsonl (not a train.py run directory)"),
     ("curves {root}/run {root}/run --out={root}/c.png --names=a", "--names gives 1 names for 2 runs"),
     ("curves {root}/run --out={root}/c.png --names=a,a", "--names: expected some distinct non-empty names"),
+    # an --out that is an input, a folder, or the file the command writes beside it: refused before any model loads
+    ("cka {model} {root}/other --texts={texts} --out={texts}", "it would overwrite " + "{texts}, which this command"),
+    ("cka {model} {root}/other --texts={texts} --out={root}/other/model.safetensors", "other/model.safetensors, which"),
+    ("cka {model} {root}/other --texts={texts} --out={root}/cka.png", "also writes {root}/cka.png beside it, the same"),
+    ("needle {model} --texts={texts} --out={texts}", "it would overwrite {texts}, which this command reads"),
+    ("needle {model} --texts={root}/held.examples.jsonl --out={root}/held.json",
+     "{root}/held.examples.jsonl, written beside it, would overwrite {root}/held.examples.jsonl"),
+    ("finetune {model} --task={task} --out={task}/dev.jsonl", "it would overwrite {task}/dev.jsonl"),
+    ("finetune {model} --task={task} --out={root}", "--out={root}: it is a folder"),
+    ("curves {root}/run --out={root}", "--out={root}: it is a folder; --out names a file to write"),
+    ("curves {root}/run --out={root}/run/log.jsonl", "it would overwrite {root}/run/log.jsonl, which this command"),
 ]
 
 
@@ -160,6 +172,7 @@ def test_bad_input_is_one_line_and_exit_2(inputs, argv, expected, capsys, monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code = run_main(argv, inputs)
     err = capsys.readouterr().err
+    expected = expected.format(**inputs)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
 
 
