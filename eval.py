@@ -38,10 +38,9 @@ import torch.nn.functional as F
 
 from data import load_meta
 from machinery import evalcli
-from machinery.cli import InputError, autocast, pick_device, run, save
+from machinery.cli import InputError, autocast, check_outputs, pick_device, run, save
 from machinery.compare import compare, interval, t_interval, t_quantile, verdict
-from machinery.models import (as_list, check_outputs, distinct_models, inspect_model, load_weights, model_files,
-                              model_tokenizer)
+from machinery.models import as_list, distinct_models, inspect_model, load_weights, model_files, model_tokenizer
 from machinery.tasks import SPLITS, cached_seed, is_number, read_jsonl, read_task, source_digest
 from model import IGNORE_INDEX
 

@@ -204,6 +204,40 @@ def check_writable(path, flag):
         os.remove(path)
 
 
+def same_file(a, b):
+    """Whether two paths name one file: the same path once resolved, or two names of one file (a hard link)."""
+    a, b = Path(a), Path(b)
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing
+        return False
+
+
+def check_outputs(flag, outputs, reads):
+    """The files a command writes (`outputs`: the one `flag` names, then those written beside it), checked before
+    any compute: none is a folder, none is a file the command reads (`reads`: an --out naming the held-out texts
+    would replace them with the result), no two are one file, and each can be written (its folder is made)."""
+    given = outputs[0] if outputs else None
+    for i, path in enumerate(map(Path, outputs)):
+        what = "it" if i == 0 else f"{path}, written beside it,"
+        if path.is_dir():
+            raise InputError(f"{flag}={given}: {'it' if i == 0 else path} is a folder; {flag} names a file to write")
+        read = next((r for r in reads if same_file(path, r)), None)
+        if read is not None:
+            raise InputError(f"{flag}={given}: {what} would overwrite {read}, which this command reads; choose "
+                             f"another {flag}")
+        if any(same_file(path, other) for other in outputs[:i]):
+            raise InputError(f"{flag}={given}: the command also writes {path} beside it, the same file; choose "
+                             f"another {flag}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"{flag}={given}: cannot make its folder {path.parent} ({e.strerror or e})") from None
+        check_writable(str(path), flag)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that shows every default in --help, turns usage errors into InputError, and refuses a flag
     given twice (argparse would silently keep the last value)."""

@@ -13,7 +13,7 @@ import os
 import sys
 
 from machinery import rundir
-from machinery.cli import InputError, Parser, run
+from machinery.cli import InputError, Parser, check_outputs, run
 
 _said = set()  # the messages this process has printed: each is said once, however often the trainer draws
 
@@ -268,6 +268,7 @@ def main(argv=None):
     names = args.names.split(",") if args.names else None
     if names is not None and len(names) != len(args.runs):
         raise InputError(f"--names={args.names}: {len(names)} names for {len(args.runs)} runs")
+    check_outputs("--out", [args.out] if args.out else [], [os.path.join(r, "log.jsonl") for r in args.runs])
     if len(args.runs) == 1:
         if names:
             raise InputError("--names names the runs of a comparison; one run's picture is titled by its directory")
