@@ -4,7 +4,7 @@ stage on a signal or with its driver. reproduce.py says which stages a study has
 skip this file.
 
 OUT/plan.json holds each stage's fingerprint; OUT/stages/NAME.json records a stage (fingerprint, threads;
-`finished` with its times once it ends); OUT/logs/NAME.log holds its output."""
+`finished` with its times and the digests of what it wrote once it ends); OUT/logs/NAME.log holds its output."""
 import functools
 import hashlib
 import json
@@ -56,8 +56,7 @@ def shown(command, out=None):
     return shlex.join(rel(arg(c)) for c in command)
 
 
-@functools.lru_cache(maxsize=None)
-def content(path):
+def digest(path):
     """sha256 of what a file holds (whole up to WHOLE bytes, else its size and its first and last MiB), or of a
     folder's top-level files that are not hidden (a model directory's are its latest weights; a lock is not)."""
     p, h = Path(path), hashlib.sha256()
@@ -65,7 +64,7 @@ def content(path):
         if p.is_dir():
             for child in sorted(p.iterdir()):
                 if child.is_file() and not child.name.startswith("."):
-                    h.update(f"{child.name}\0{content(str(child))}\n".encode())
+                    h.update(f"{child.name}\0{digest(str(child))}\n".encode())
             return h.hexdigest()
         size = p.stat().st_size
         h.update(f"{size}\0".encode())
@@ -80,6 +79,40 @@ def content(path):
     except OSError as e:
         raise InputError(f"{path}: cannot read it ({e.strerror or e})") from None
     return h.hexdigest()
+
+
+content = functools.lru_cache(maxsize=None)(digest)  # an input's digest: read once per invocation
+
+
+# What a training stage's results are: which run, its log and its weights. Not the model card (a user may edit it
+# before publishing) nor the picture, which the next save redraws.
+RUN_OUTPUTS = ("run.json", "log.jsonl", "config.json", "model.safetensors")
+
+
+def outputs(stage):
+    """The paths a stage writes: a training's run directory (RUN_OUTPUTS in it), else its command's --out."""
+    if stage.run_dir:
+        return [Path(stage.run_dir) / name for name in RUN_OUTPUTS]
+    found = []
+    for flag, after in zip(stage.command, [*stage.command[1:], ""]):
+        flag = str(flag)
+        if flag == "--out":
+            found.append(Path(after))
+        elif flag.startswith("--out="):
+            found.append(Path(flag.removeprefix("--out=")))
+    return found
+
+
+def output_digests(stage, out):
+    """{path (OUT/... inside the experiment): digest, or None where the stage wrote nothing}, read now (never from
+    the cache: the stage has just written them)."""
+    return {in_out(path, out): digest(path) if path.exists() else None for path in outputs(stage)}
+
+
+def in_out(path, out):
+    """A path as a record keeps it: OUT/... inside the experiment directory, so that a moved one still checks."""
+    text = str(path)
+    return "OUT/" + text[len(str(out)) + 1:] if text.startswith(str(out) + os.sep) else text
 
 
 def fingerprint(stages, out, study, scale):
@@ -113,6 +146,29 @@ def check_out(out, plan):
         raise InputError(f"--out={out} holds the results of another command ({differences(old, plan)}); finished "
                          f"stages are never re-run in place nor mixed into another command's report: choose a new "
                          f"--out, or delete {out} to start over")
+    check_finished(out, plan)
+
+
+def check_finished(out, plan):
+    """Every finished stage's outputs are what it wrote: a file replaced since (a hand run into the same --out, a
+    training continued by hand) would otherwise be skipped as done and its numbers reported as this experiment's.
+    Refused, naming the stage and the file, rather than re-run: a re-run would overwrite what the other command
+    wrote, which may be someone's only copy, and the stages after it have read the old output. Records written
+    before digests were kept hold none and are not checked."""
+    changed = []
+    for name, entry in plan["stages"].items():
+        record = stage_record(out, name, entry["fingerprint"])
+        for path, wrote in (record.get("outputs") or {}).items() if record.get("finished") else ():
+            real = out / path[4:] if path.startswith("OUT/") else Path(path)
+            now = digest(real) if real.exists() else None
+            if now != wrote:
+                changed.append((name, real, "is gone" if now is None else "is not what the stage wrote"))
+    if changed:
+        name, real, how = changed[0]
+        more = f" (and {len(changed) - 1} more output(s) of finished stages)" if len(changed) > 1 else ""
+        raise InputError(f"stage {name} finished, but {real} {how}: another command wrote there since{more}, and its "
+                         f"numbers are not this experiment's. Move it away and delete {out / 'stages' / name}.json to "
+                         f"run the stage again, or choose a new --out")
 
 
 def differences(old, new):
@@ -237,7 +293,8 @@ def run(stages, out, plan, jobs, cores):
                     continue
                 t1 = time.time()
                 write_json(out / "stages" / f"{name}.json", dict(
-                    stage_record(out, name, fps[name]), finished=True, seconds=round(t1 - t0, 3), start=t0, end=t1))
+                    stage_record(out, name, fps[name]), finished=True, seconds=round(t1 - t0, 3), start=t0, end=t1,
+                    outputs=output_digests(stage, out)))
                 done.add(name)
                 print(f"[done]   {name} ({t1 - t0:.1f} s)", flush=True)
     finally:

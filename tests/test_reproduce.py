@@ -400,3 +400,53 @@ def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
     mine = tmp_path / "mine.json"  # a tokenizer file of the user's is an input: its content counts
     mine.write_text("{}")
     assert reproduce.data_stages(mine, [], [corpus], out)[0][0].inputs == [corpus, mine]
+
+
+# A stage's command in miniature: writes its --out (as eval.py and data.py take it) or a run directory's files.
+WRITES = ("import sys, pathlib\n"
+          "a = sys.argv[1:]\n"
+          "p = pathlib.Path(a[1] if a[0] in ('--out', '--out_dir') else a[0].split('=', 1)[1])\n"
+          "if a[0] == '--out_dir':\n"
+          "    p.mkdir(parents=True)\n"
+          "    for name in ('run.json', 'log.jsonl', 'config.json', 'model.safetensors', 'README.md'):\n"
+          "        (p / name).write_text(name + ' of the stage')\n"
+          "else:\n"
+          "    p.write_text('the stage wrote this')\n")
+
+
+def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):
+    """A finished stage records the digests of what it wrote (an --out file, a run directory's run, log and
+    weights); a rerun checks them before it skips the stage, and one replaced since (a hand run into the same
+    file) or gone is one line naming the stage and the file. The model card is not a result: editing it is fine."""
+    from machinery import stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    run_dir = out / "runs" / "mlm-r1"
+    plan_of = [stages.Stage("cka", [sys.executable, "-c", WRITES, f"--out={out / 'cka.json'}"], threaded=False),
+               stages.Stage("tokenizer", [sys.executable, "-c", WRITES, "--out", out / "tok.json"], threaded=False),
+               stages.Stage("mlm-r1", [sys.executable, "-c", WRITES, "--out_dir", run_dir], run_dir=str(run_dir),
+                            threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))  # as reproduce.py writes it before the first stage
+    stages.run(plan_of, out, plan, 1, 1)
+    records = {s.name: json.loads((out / "stages" / f"{s.name}.json").read_text()) for s in plan_of}
+    assert set(records["cka"]["outputs"]) == {"OUT/cka.json"} and set(records["tokenizer"]["outputs"]) == {
+        "OUT/tok.json"}
+    assert set(records["mlm-r1"]["outputs"]) == {f"OUT/runs/mlm-r1/{n}" for n in stages.RUN_OUTPUTS}
+    (run_dir / "README.md").write_text("the card, edited before publishing")
+    stages.check_out(out, plan)
+    capsys.readouterr()
+    stages.run(plan_of, out, plan, 1, 1)
+    assert capsys.readouterr().out.count("[skip]") == 3
+    for path, change, how in [(out / "cka.json", "a hand run's numbers", "is not what the stage wrote"),
+                              (run_dir / "log.jsonl", None, "is gone")]:
+        kept = path.read_bytes()
+        path.write_text(change) if change else path.unlink()
+        with pytest.raises(InputError) as refusal:
+            stages.check_out(out, plan)
+        name = "cka" if path.name == "cka.json" else "mlm-r1"
+        assert str(refusal.value).startswith(f"stage {name} finished, but {path} {how}: another command wrote there")
+        assert f"delete {out / 'stages' / name}.json to run the stage again" in str(refusal.value)
+        path.write_bytes(kept)
+    stages.check_out(out, plan)  # as the stages wrote them again
