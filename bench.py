@@ -23,8 +23,8 @@ against transformers' DataCollatorForLanguageModeling. Ours and the peer's runs 
 
 gpu-report: the GPU acceptance in one command: `python -m pytest -m gpu`, each test's result read from its
 JUnit XML, then `train` with its GPU defaults; one markdown file with the date, the GPU, the versions, the
-commands, the suite's results (seconds per test) and the bench table, to paste into the README. Sized for
-8 minutes of tests and 4 bench rows on one H100; not yet timed on one.
+commands, the suite's results (seconds per test) and the bench table, to paste into the README. Not yet timed on
+a GPU: docs/gpu.md gives an estimate and what it rests on.
 """
 import argparse
 import datetime

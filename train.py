@@ -423,12 +423,13 @@ def init_processes(given):
     timeout = flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout))
     rank, world, local_rank, local_world = cli.processes()
     device = cli.pick_device(given.get("device", Config.device), local_rank)
-    if world > 1:
-        with cli.rendezvous(rank, world, timeout):
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if world > 1:  # device_id: NCCL binds this rank to its GPU now, not at its first collective
+        with cli.rendezvous(rank, world, timeout):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
     return rank, world, local_world, device
 
 
@@ -446,8 +447,10 @@ def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
     norm), as Python numbers. Every rank must stop at the same step: one that went on would wait forever in the
     next gradient all-reduce. So each rank adds 1 if a signal reached it, and a sum above 0 stops them all. The
     stop signal rides in the loss's all-reduce, and the norm (the same on every rank) in its copy to the host:
-    one collective and one host sync per step, not two of each."""
-    shared = torch.stack([loss_sum, loss_sum.new_tensor(labelled), loss_sum.new_tensor(float(stop_requested))])
+    one collective and one host sync per step, not two of each. The host's two numbers reach the device in one copy
+    from pinned memory that does not wait for it (new_tensor would make two copies, each a wait)."""
+    host = torch.tensor([labelled, float(stop_requested)], dtype=loss_sum.dtype, pin_memory=loss_sum.is_cuda)
+    shared = torch.cat([loss_sum[None], host.to(loss_sum.device, non_blocking=True)])
     if dist.is_initialized():
         dist.all_reduce(shared)  # sums: the loss, the labelled tokens, the ranks asked to stop
     total, labelled, asked, norm = torch.cat([shared, grad_norm.double()[None]]).tolist()

@@ -93,6 +93,7 @@ class Flex(SDPA):
     built from index arithmetic only (no host sync), compiled on CUDA."""
     description = "PyTorch FlexAttention with block-sparse masks (flash-attn not installed)"
     needs = "PyTorch >= 2.5"
+    compiled_on = ("cuda",)  # eager on a CPU, where it serves the tests and inference only (it has no CPU backward)
 
     @staticmethod
     def available(device):
@@ -108,15 +109,23 @@ class Flex(SDPA):
     def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
         # compiled on CUDA, where eager mask building materialises the whole (B, T, T) mask first
-        build = compiled(create_block_mask, dynamic=False) if device.type == "cuda" else create_block_mask
-        return build(mask_rule(causal, window, local, token_mask, doc_ids),
-                     None if per_row is None else per_row.shape[0], None, T, T, device=device)
+        return Flex.kernel(create_block_mask, device)(mask_rule(causal, window, local, token_mask, doc_ids),
+                                                      None if per_row is None else per_row.shape[0], None, T, T,
+                                                      device=device)
 
     def attend(self, q, k, v, local):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        # eager on a CPU, where it serves the tests and inference only (it has no CPU backward)
-        attend = compiled(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        attend = Flex.kernel(flex_attention, q.device)
         return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
+
+    @staticmethod
+    def kernel(fn, device):
+        """fn as this call runs it: compiled on the devices of compiled_on, except inside a graph being compiled
+        already (a compiled block), which takes fn into its own graph: a torch.compile called there would be
+        traced again with every block kind's graph, with a warning each time."""
+        if device.type in Flex.compiled_on and not torch.compiler.is_compiling():
+            return compiled(fn, dynamic=False)
+        return fn
 
 
 class Reference(SDPA):
@@ -166,7 +175,8 @@ def compute_dtype(device, weights=torch.float32):
 class Flash:
     """flash-attn's varlen kernel on the unpadded layout: the real tokens of all sequences concatenated,
     (N, d), sequences delimited by cu_seqlens; padding is never computed. Packed batches without padding
-    or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids one more."""
+    or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids two more (the number of
+    documents and the longest one)."""
     description = "flash-attn varlen (unpadded: padding tokens are never computed)"
     needs = "flash-attn and CUDA"
 
@@ -190,7 +200,8 @@ class Flash:
             new_doc = torch.ones(B, T, dtype=torch.bool, device=device)
             new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
             starts = self.unpad(new_doc).nonzero().squeeze(1)
-            lengths = torch.diff(starts, append=starts.new_tensor([self.positions.shape[0]]))
+            # the end filled in on the device: new_tensor([N]) would copy N from the host, a wait for the GPU
+            lengths = torch.diff(starts, append=starts.new_full((1,), self.positions.shape[0]))
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         # An upper bound is enough (it sizes the kernel's grid) and costs no sync; with documents the backward's
         # buffers grow as n_documents x max_seqlen, so take the exact one (the nonzero above synced already).

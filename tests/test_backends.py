@@ -3,6 +3,7 @@ test double of its documented interface, FlexAttention forward (it has no CPU ba
 the reference and the SDPA backend; and torch.compile of the blocks without recompilation during training."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fake_flash_attn
 import model as M
@@ -278,3 +279,76 @@ def test_activation_memory_prediction_matches_saved_tensors(fake_flash, phase, r
     predicted = (bench.activation_memory(model.config, 512, 2, rate)
                  - bench.activation_memory(model.config, 256, 2, rate)) / 512
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+# --- waits for the device, counted on a CPU ---------------------------------------------------------------------
+
+
+class HostWaits(TorchDispatchMode):
+    """The operations run inside the block that make the host wait for a GPU, seen where they run on a CPU: a
+    value read on the host (.item(), int()), an output whose size depends on the values (nonzero, a boolean
+    index), and a tensor made from the host's numbers (on CUDA a copy that waits, unless it is one from pinned
+    memory that does not)."""
+    WAIT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+            "aten.lift_fresh.default"}
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        if str(func) in self.WAIT or boolean_index:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padded, separate_docs, waits", [(False, False, []), (True, False, ["nonzero"]),
+                                                          (False, True, ["nonzero", "_local_scalar_dense"]),
+                                                          (True, True, ["nonzero", "nonzero", "_local_scalar_dense"])])
+def test_the_varlen_layout_waits_for_the_device_only_where_documented(fake_flash, padded, separate_docs, waits):
+    """flash-attn's layout for a batch: packed rows wait for nothing; padding, for the number of real tokens;
+    documents, for their number and the longest one (its backward's buffers grow with it). Nothing else: the end
+    of the last document is filled in on the device, not copied from the host."""
+    _, token_mask, doc_ids, _ = attention_case(padded, separate_docs)
+    with HostWaits() as seen:
+        attn = kernels.Flash(3, 200, torch.device("cpu"), False, WINDOW, token_mask, doc_ids)
+    assert [op.split(".")[1] for op in seen.ops] == waits
+    real = 200 * 3 if token_mask is None else int(token_mask.sum())
+    assert attn.cu_seqlens[0] == 0 and attn.cu_seqlens[-1] == real and attn.cu_seqlens.dtype == torch.int32
+
+
+def test_the_steps_numbers_reach_the_device_in_one_copy():
+    """across_ranks: the labelled-token count and the stop signal, host numbers, become one tensor (on CUDA one
+    copy from pinned memory that does not wait) beside the loss; the one read back is the .tolist() it documents."""
+    import train
+    loss_sum, grad_norm = torch.tensor(7.5, dtype=torch.float64), torch.tensor(0.25)
+    with HostWaits() as seen:
+        loss, stop, norm = train.across_ranks(loss_sum, 3, True, grad_norm)
+    assert [op.split(".")[1] for op in seen.ops] == ["lift_fresh"]
+    assert (loss, stop, norm) == (2.5, True, 0.25)
+    assert train.across_ranks(loss_sum, 0, False, torch.tensor(1.0))[:2] == (7.5, False)
+
+
+def test_compiled_blocks_take_flex_attention_into_their_graphs(monkeypatch):
+    """Where FlexAttention runs compiled (on CUDA; a CPU stands in here), a compiled block traces flex_attention
+    into its own graph: a torch.compile made inside a graph being compiled would be traced again with each block
+    kind's graph (dynamo warns each time). The masks, built outside the blocks, are the compiled kernel's."""
+    from torch._dynamo.testing import CompileCounter
+    made = []
+    monkeypatch.setattr(kernels.Flex, "compiled_on", ("cpu", "cuda"))
+    monkeypatch.setattr(kernels, "compiled", lambda fn, dynamic: made.append((fn.__name__,
+                                                                               torch.compiler.is_compiling())) or fn)
+    torch._dynamo.reset()
+    model = tiny_model().eval()
+    model.backend = "flex"
+    counter = CompileCounter()
+    model.compile_blocks(counter)
+    ids = torch.randint(0, 256, (2, 160), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids)
+    torch._dynamo.reset()
+    assert made and set(made) == {("create_block_mask", False)}  # each call outside a compiled graph
+    assert counter.frame_count == 3  # a graph per block kind (layer 0, global, local), flex_attention inside

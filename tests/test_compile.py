@@ -173,6 +173,26 @@ def test_flash_asks_for_a_deterministic_backward(fake_flash):
     assert fake_flash.determinism and all(fake_flash.determinism)
 
 
+def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):
+    """torchrun on GPUs (faked): rank 1's GPU is set, then the NCCL group is made with device_id, which binds the
+    rank to that GPU at once (without it NCCL guesses the device at the first collective, with a warning)."""
+    torchrun = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="localhost",
+                    MASTER_PORT="29500")
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    gpu, calls = torch.device("cuda:1"), []
+    monkeypatch.setattr("machinery.cli.pick_device", lambda requested, local_rank: torch.device(f"cuda:{local_rank}"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        assert train.init_processes({}) == (1, 2, 2, gpu)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert [c[0] for c in calls] == ["set_device", "nccl"] and calls[0][1] == gpu
+    assert calls[1][1]["device_id"] == gpu
+
+
 # ----------------------------------------------------------------------------
 # MFU's peak, and bench.py's peak memory
 
