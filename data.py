@@ -21,6 +21,7 @@ The tokenizers (a tokenizer.json run by tiktoken, the BPE trainer): machinery/to
 """
 import argparse
 import json
+import mmap
 import os
 import sys
 import tempfile
@@ -71,11 +72,15 @@ class Loader:
     while the device works on the previous one) and whose labels stay on the host, where the model
     finds the positions to predict without a device sync. state_dict() is the position of the
     batch that the next next() returns, whatever was prefetched.
+
+    The token file is read through np.memmap. Windows in a seeded order are random reads: the
+    kernel is told so (advise=True), or its read-ahead around each page touched reads tens of times
+    the bytes a window needs from a file not in memory (measured by `bench.py data`).
     """
 
     def __init__(self, data_dir, split="train", seq_len=8192, batch_size=384, micro_batch_size=4,
                  rank=0, world_size=1, objective="mlm", mask_rate=0.3, data_seed=42, mask_seed=17,
-                 device=None):
+                 device=None, advise=True):
         if objective not in OBJECTIVES:
             raise InputError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
         self.meta = load_meta(data_dir)
@@ -98,6 +103,7 @@ class Loader:
         self.device = None if device is None else torch.device(device)
         self.sequence, self.micro_step = 0, 0  # the position of the batch next() returns
         self.ahead, self.perms = None, {}
+        self.random_reads = advise and data_seed is not None  # file order (validation) reads ahead well
 
     def windows(self, g):
         """Window index of each global sequence index in g."""
@@ -112,20 +118,28 @@ class Loader:
             out[here] = self.perms[e][g[here] % self.n_windows]
         return out
 
+    def tokens(self):
+        """The split's tokens, (n_tokens,) through np.memmap, mapped anew for each batch: a file
+        replaced or cut since it was checked is an error here, not a crash at a page fault."""
+        with open(self.path, "rb") as f:
+            now = os.fstat(f.fileno())
+            if not os.path.samestat(now, self.checked):
+                raise InputError(f"{self.path}: replaced after this run checked it (by another "
+                                 f"data.py prepare?); its windows are not the ones checked")
+            if now.st_size < self.n_tokens * self.dtype.itemsize:
+                raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was "
+                                 f"cut after this run checked it")
+            tokens = np.memmap(f, self.dtype, "r", shape=(self.n_tokens,))
+        if self.random_reads and hasattr(mmap, "MADV_RANDOM"):
+            tokens.base.madvise(mmap.MADV_RANDOM)  # tokens.base: the mmap np.memmap made
+        return tokens
+
     def batch(self, g):
         """(x, y) int64 tensors (len(g), seq_len) for global sequence indices g: the windows, then
         the objective's inputs and labels."""
-        T, windows, size = self.seq_len, self.windows(g), self.dtype.itemsize
-        with open(self.path, "rb") as f:  # re-opened per read; one read a window (a mapping would
-            # read the kernel's read-ahead, megabytes, around each page it touches)
-            if not os.path.samestat(os.fstat(f.fileno()), self.checked):
-                raise InputError(f"{self.path}: replaced after this run checked it (by another "
-                                 f"data.py prepare?); its windows are not the ones checked")
-            raw = [os.pread(f.fileno(), T * size, int(w) * T * size) for w in windows]
-        if any(len(r) < T * size for r in raw):
-            raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was cut "
-                             f"after this run checked it")
-        x = np.stack([np.frombuffer(r, self.dtype) for r in raw]).astype(np.int64)
+        T, windows, tokens = self.seq_len, self.windows(g), self.tokens()
+        x = np.stack([tokens[w * T:(w + 1) * T] for w in windows]).astype(np.int64)
+        del tokens  # unmapped
         vocab = len(self.vocab.special)
         above = np.flatnonzero(x.max(1) >= vocab)  # every id a step sees: the open read a sample
         if len(above):
