@@ -66,9 +66,10 @@ def bench_data(args):
     from tokenizers import Tokenizer as HFTokenizer  # a test oracle, never a dependency of data.py
 
     import data
+    from machinery.prepare import find_sources, read_documents
 
-    files = [f for source in data.find_sources([args.corpus]) for f in source.files]
-    texts = [text for f in files for text in data.read_documents(f)]  # prepare's reader: its errors, by line
+    files = [f for source in find_sources([args.corpus]) for f in source.files]
+    texts = [text for f in files for text in read_documents(f)]  # prepare's reader: its errors, by line
     ours = data.load_tokenizer(args.tokenizer)
     cpu, quiet = torch.device("cpu"), contextlib.redirect_stdout(io.StringIO())
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, curves, flags, progress, tracking
+from machinery import cli, curves, datacli, flags, progress, tracking
 from machinery.hf import resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, code_version, continuation_dir, rng_state, set_rng_state
@@ -487,7 +487,7 @@ def setup(given):
     if demo and rank == 0 and not os.path.exists(os.path.join(cfg.data, "meta.json")):
         print(f"{cfg.data} is missing: building the embedded demo corpus")
         try:
-            data.prepare_demo(cfg.data)
+            datacli.prepare_demo(data.prepare, cfg.data)
         except cli.InputError as e:  # its message names data.py's flags, not ours
             raise cli.InputError(f"--data={cfg.data}: cannot build the demo corpus there ({e})") from None
     all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
