@@ -72,8 +72,9 @@ class Loader:
     batch that the next next() returns, whatever was prefetched.
 
     The token file is read through np.memmap. Windows in a seeded order are random reads: the
-    kernel is told so (advise=True), or its read-ahead around each page touched reads tens of times
-    the bytes a window needs from a file not in memory (measured by `bench.py data`).
+    kernel is told so, and asked for each window's pages at once (advise=True); left to its
+    read-ahead around each page touched, it reads tens of times the bytes a window needs from a
+    file not in memory (`bench.py data` measures both).
     """
 
     def __init__(self, data_dir, split="train", seq_len=8192, batch_size=384, micro_batch_size=4,
@@ -116,9 +117,10 @@ class Loader:
             out[here] = self.perms[e][g[here] % self.n_windows]
         return out
 
-    def tokens(self):
-        """The split's tokens, (n_tokens,) through np.memmap, mapped anew for each batch: a file
-        replaced or cut since it was checked is an error here, not a crash at a page fault."""
+    def tokens(self, windows):
+        """The split's tokens, (n_tokens,) through np.memmap, mapped anew for each batch (a file
+        replaced or cut since it was checked is an error here, not a crash at a page fault), the
+        kernel told which windows will be read."""
         with open(self.path, "rb") as f:
             now = os.fstat(f.fileno())
             if not os.path.samestat(now, self.checked):
@@ -130,12 +132,16 @@ class Loader:
             tokens = np.memmap(f, self.dtype, "r", shape=(self.n_tokens,))
         if self.random_reads and hasattr(mmap, "MADV_RANDOM"):
             tokens.base.madvise(mmap.MADV_RANDOM)  # tokens.base: the mmap np.memmap made
+            span, page = self.seq_len * self.dtype.itemsize, mmap.PAGESIZE
+            for start in (int(w) * span for w in windows):  # every window's pages, requested at once
+                tokens.base.madvise(mmap.MADV_WILLNEED, start // page * page, start % page + span)
         return tokens
 
     def batch(self, g):
         """(x, y) int64 tensors (len(g), seq_len) for global sequence indices g: the windows, then
         the objective's inputs and labels."""
-        T, windows, tokens = self.seq_len, self.windows(g), self.tokens()
+        T, windows = self.seq_len, self.windows(g)
+        tokens = self.tokens(windows)
         x = np.stack([tokens[w * T:(w + 1) * T] for w in windows]).astype(np.int64)
         del tokens  # unmapped
         vocab = len(self.vocab.special)
