@@ -66,9 +66,10 @@ def bench_data(args):
     from tokenizers import Tokenizer as HFTokenizer  # a test oracle, never a dependency of data.py
 
     import data
+    from machinery.prepare import find_sources, read_documents
 
-    files = [f for source in data.find_sources([args.corpus]) for f in source.files]
-    texts = [text for f in files for text in data.read_documents(f)]  # prepare's reader: its errors, by line
+    files = [f for source in find_sources([args.corpus]) for f in source.files]
+    texts = [text for f in files for text in read_documents(f)]  # prepare's reader: its errors, by line
     ours = data.load_tokenizer(args.tokenizer)
     cpu, quiet = torch.device("cpu"), contextlib.redirect_stdout(io.StringIO())
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,6 +108,7 @@ def bench_data(args):
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         torch.set_num_threads(1)
         print_loader(loader_rows(out, args.tokenizer, args.repeats), args.repeats)
+        print_reads(loader_reads(out, args.repeats))
 
 
 class Peer:
@@ -212,6 +214,52 @@ def loader_rows(data_dir, tokenizer, repeats):
                                                torch.device("cpu"), 1, repeats)
         rows.append((objective, n * B * T / t_ours, n * B * T / t_peer))
     return rows
+
+
+def read_bytes():
+    """Bytes this process has caused to be fetched from storage (Linux's /proc/self/io), page faults included."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def loader_reads(data_dir, repeats):
+    """(advise, bytes read from storage per byte the windows hold, tok/s) for the loader with and without telling
+    the kernel its reads are random, interleaved, train.bin dropped from the page cache before each measurement
+    (posix_fadvise DONTNEED: the cold read a training's first epoch makes of a corpus larger than memory). None
+    where the system cannot say (no /proc/self/io, or no posix_fadvise)."""
+    import numpy as np
+    import data
+    if not (os.path.exists("/proc/self/io") and hasattr(os, "posix_fadvise")):
+        return None
+    path, T, B, n = Path(data_dir) / "train.bin", LOADER_SEQ_LEN, LOADER_MICRO, LOADER_BATCHES
+    itemsize = np.dtype(data.load_meta(data_dir)["dtype"]).itemsize
+    results = {True: [], False: []}
+    for _ in range(repeats):
+        for advise in (False, True):
+            loader = data.Loader(data_dir, seq_len=T, batch_size=B, micro_batch_size=B, objective="clm",
+                                 advise=advise)  # its checks read the file: dropped from the cache after them
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)  # pages written but not yet on disk would stay in the cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            before, start = read_bytes(), time.perf_counter()
+            for _ in range(n):
+                loader.next()
+            seconds, fetched = time.perf_counter() - start, read_bytes() - before
+            results[advise].append((fetched / (n * B * T * itemsize), n * B * T / seconds))
+    return [(advise, *np.median(np.array(rows), 0)) for advise, rows in results.items()]
+
+
+def print_reads(rows):
+    if rows is None:
+        return print("\nLoader reads: not measured (needs Linux's /proc/self/io and posix_fadvise)")
+    head = f"{'kernel told':>24} | {'bytes read / bytes used':>23} | {'tok/s':>12}"
+    print(f"\nLoader reads from a cold page cache: train.bin dropped from it before each measurement of "
+          f"{LOADER_BATCHES} micro-batches of {LOADER_MICRO} x {LOADER_SEQ_LEN} tokens (np.memmap, windows in the "
+          f"seeded order)\n" + head + "\n" + "-" * len(head))
+    for advise, ratio, speed in rows:
+        told = "random, these windows" if advise else "nothing (read-ahead)"
+        print(f"{told:>24} | {ratio:>23.2f} | {speed:>12,.0f}")
 
 
 def print_loader(rows, repeats):

@@ -12,30 +12,29 @@ Data for continued pretraining of ModernBERT, top to bottom: text in, token file
 3. Objectives: the labels of each objective (MLM masking, CLM next token), one function each.
 4. Prepare: documents are split into train and validation, shuffled, mixed by weight and written
    as train.bin and val.bin (one uint16 or uint32 per token), with meta.json beside them.
-5. The demo: the standard library's docstrings and a BPE learned from them.
 The machinery behind them: reading files (.jsonl, .txt, .parquet; .gz, .zst; folders, globs) in
 worker processes, the same bytes for any number of them (machinery/prepare.py); meta.json and
 the .bin files checked against each other (machinery/tokenfiles.py); the tokenizers, a
-tokenizer.json run by tiktoken and the BPE trainer (machinery/tokenizer.py).
-The tokenizers (a tokenizer.json run by tiktoken, the BPE trainer): machinery/tokenizer.py.
+tokenizer.json run by tiktoken and the BPE trainer (machinery/tokenizer.py); the command line,
+the demo corpus (the standard library's docstrings and a BPE learned from them) and the BPE
+trainer's command (machinery/datacli.py).
 """
-import argparse
 import json
+import mmap
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from machinery.cli import InputError, Parser, run, usable_cores
-from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, make_writable_dir,
-                               publish, read_documents, tokenize, worker_count, workspace,
-                               write_docstrings, write_documents, write_file)
-from machinery.tokenfiles import SPLITS, check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
-from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, Tokenizer, is_int, learn_bpe, load_tokenizer
+from machinery import datacli
+from machinery.cli import InputError, run, usable_cores
+from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, publish, tokenize, worker_count,
+                               workspace, write_documents)
+from machinery.tokenfiles import check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
+from machinery.tokenizer import Tokenizer, is_int, load_tokenizer
 
 
 # ----------------------------------------------------------------------------
@@ -71,11 +70,16 @@ class Loader:
     while the device works on the previous one) and whose labels stay on the host, where the model
     finds the positions to predict without a device sync. state_dict() is the position of the
     batch that the next next() returns, whatever was prefetched.
+
+    The token file is read through np.memmap. Windows in a seeded order are random reads: the
+    kernel is told so, and asked for each window's pages at once (advise=True); left to its
+    read-ahead around each page touched, it reads tens of times the bytes a window needs from a
+    file not in memory (`bench.py data` measures both).
     """
 
     def __init__(self, data_dir, split="train", seq_len=8192, batch_size=384, micro_batch_size=4,
                  rank=0, world_size=1, objective="mlm", mask_rate=0.3, data_seed=42, mask_seed=17,
-                 device=None):
+                 device=None, advise=True):
         if objective not in OBJECTIVES:
             raise InputError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
         self.meta = load_meta(data_dir)
@@ -98,6 +102,7 @@ class Loader:
         self.device = None if device is None else torch.device(device)
         self.sequence, self.micro_step = 0, 0  # the position of the batch next() returns
         self.ahead, self.perms = None, {}
+        self.random_reads = advise and data_seed is not None  # file order (validation) reads ahead well
 
     def windows(self, g):
         """Window index of each global sequence index in g."""
@@ -112,20 +117,33 @@ class Loader:
             out[here] = self.perms[e][g[here] % self.n_windows]
         return out
 
+    def tokens(self, windows):
+        """The split's tokens, (n_tokens,) through np.memmap, mapped anew for each batch (a file
+        replaced or cut since it was checked is an error here, not a crash at a page fault), the
+        kernel told which windows will be read."""
+        with open(self.path, "rb") as f:
+            now = os.fstat(f.fileno())
+            if not os.path.samestat(now, self.checked):
+                raise InputError(f"{self.path}: replaced after this run checked it (by another "
+                                 f"data.py prepare?); its windows are not the ones checked")
+            if now.st_size < self.n_tokens * self.dtype.itemsize:
+                raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was "
+                                 f"cut after this run checked it")
+            tokens = np.memmap(f, self.dtype, "r", shape=(self.n_tokens,))
+        if self.random_reads and hasattr(mmap, "MADV_RANDOM"):
+            tokens.base.madvise(mmap.MADV_RANDOM)  # tokens.base: the mmap np.memmap made
+            span, page = self.seq_len * self.dtype.itemsize, mmap.PAGESIZE
+            for start in (int(w) * span for w in windows):  # every window's pages, requested at once
+                tokens.base.madvise(mmap.MADV_WILLNEED, start // page * page, start % page + span)
+        return tokens
+
     def batch(self, g):
         """(x, y) int64 tensors (len(g), seq_len) for global sequence indices g: the windows, then
         the objective's inputs and labels."""
-        T, windows, size = self.seq_len, self.windows(g), self.dtype.itemsize
-        with open(self.path, "rb") as f:  # re-opened per read; one read a window (a mapping would
-            # read the kernel's read-ahead, megabytes, around each page it touches)
-            if not os.path.samestat(os.fstat(f.fileno()), self.checked):
-                raise InputError(f"{self.path}: replaced after this run checked it (by another "
-                                 f"data.py prepare?); its windows are not the ones checked")
-            raw = [os.pread(f.fileno(), T * size, int(w) * T * size) for w in windows]
-        if any(len(r) < T * size for r in raw):
-            raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was cut "
-                             f"after this run checked it")
-        x = np.stack([np.frombuffer(r, self.dtype) for r in raw]).astype(np.int64)
+        T, windows = self.seq_len, self.windows(g)
+        tokens = self.tokens(windows)
+        x = np.stack([tokens[w * T:(w + 1) * T] for w in windows]).astype(np.int64)
+        del tokens  # unmapped
         vocab = len(self.vocab.special)
         above = np.flatnonzero(x.max(1) >= vocab)  # every id a step sees: the open read a sample
         if len(above):
@@ -353,132 +371,12 @@ def write_split(dst, tokens, dtype, lengths, chosen, names, rng, workers):
 
 
 # ----------------------------------------------------------------------------
-# 5. The demo: a corpus with no download
-
-
-# The demo's text is every docstring of the standard library (1.6 MB on CPython 3.11), and its
-# tokenizer a BPE of 2,048 ids learned from it: 71% of its words are one token (fill-mask answers
-# words), 3.1 bytes a token. 4,096 ids: 84% and 3.6, with a larger embedding to train.
-DEMO_BYTES, DEMO_VOCAB = 4_000_000, 2048
-
-
-def prepare_demo(out_dir="data/demo", vocab_size=DEMO_VOCAB):
-    """The demo corpus, with no download and no text in the repository: the standard library's
-    docstrings, tokenized by a BPE of vocab_size ids learned from them (None: by the byte
-    tokenizer). A demo made with another tokenizer is built again."""
-    out = Path(out_dir)
-    wanted = "bytes" if vocab_size is None else str((out / "tokenizer.json").resolve())
-    try:
-        meta = load_meta(out)
-        for split in SPLITS:  # a demo cut short by a kill or a full disk is built again
-            split_tokens(out, meta, split)
-    except InputError:
-        meta = None
-    if meta and meta["tokenizer"] == wanted and meta["vocab_size"] == (vocab_size or 260):
-        print(f"{out} is already prepared: {meta['splits']['train']['tokens']:,} train tokens")
-        return meta
-    if meta:
-        print(f"{out} holds a demo made with tokenizer {meta['tokenizer']}: building it again")
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = write_docstrings(Path(tmp) / "stdlib_docstrings.jsonl", DEMO_BYTES)
-        tokenizer = "bytes" if vocab_size is None else train_tokenizer([corpus], vocab_size, wanted)
-        return prepare([corpus], tokenizer, out, val_fraction=0.01)
-
-
-# ----------------------------------------------------------------------------
-# Command line
-
-
-def train_tokenizer(inputs, vocab_size, out, field="text"):
-    """Learn a byte-level BPE of vocab_size ids from the documents of inputs and write it to out,
-    a tokenizer.json that Hugging Face's AutoTokenizer loads too."""
-    t0, out = time.time(), Path(out)
-    files = [f for source in find_sources(inputs) for f in source.files]
-    if not is_int(vocab_size) or not MIN_LEARNED <= vocab_size <= MAX_VOCAB:
-        raise InputError(f"--vocab_size={vocab_size}: expected an integer in [{MIN_LEARNED}, "
-                         f"{MAX_VOCAB}] (256 bytes, 4 special tokens and at least one merge)")
-    if out.suffix != ".json" or out.is_dir():
-        raise InputError(f"--out={out}: expected the path of a .json file to write")
-    make_writable_dir(out.parent, out)
-    texts = (text for f in files for text in read_documents(f, field))
-    tokenizer, counts = learn_bpe(texts, vocab_size, out)
-    write_file(out, tokenizer.hf_files["tokenizer.json"])
-    print(f"{out}: {tokenizer.vocab_size:,} ids learned from {sum(counts.values()):,} words "
-          f"({len(counts):,} distinct) in {time.time() - t0:.1f} s")
-    if tokenizer.vocab_size < vocab_size:
-        print(f"warning: the corpus allows only {tokenizer.vocab_size - MIN_LEARNED + 1:,} merges, "
-              f"so the vocabulary has {tokenizer.vocab_size:,} ids, not --vocab_size="
-              f"{vocab_size:,}", file=sys.stderr)
-    return tokenizer
-
-
-def parse_mix(text):
-    try:
-        pairs = [(k.strip(), float(v)) for k, v in (item.split("=") for item in text.split(","))]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected name=weight,name=weight") from None
-    names = [k for k, _ in pairs]
-    twice = sorted({k for k in names if names.count(k) > 1})
-    if twice:  # a dict would keep the last weight alone
-        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(twice)} given more than once")
-    return dict(pairs)
-
-
-def make_parser():
-    parser = Parser(prog="data.py", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    inputs = (".jsonl (one object a line), .txt (blank-line separated) or .parquet files, .jsonl "
-              "and .txt also as .gz or .zst; a folder is one source of the files in it; a quoted "
-              "glob is the files it matches")
-    field = "the text field of .jsonl objects and the text column of .parquet files"
-    def command(name, what):
-        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
-    p = command("prepare", "tokenize text files into train.bin, val.bin and meta.json")
-    p.add_argument("--input", nargs="+", required=True, help=inputs)
-    p.add_argument("--tokenizer", required=True, help="a tokenizer.json path, a hub id, or 'bytes'")
-    p.add_argument("--out", required=True, help="the directory to write")
-    p.add_argument("--field", default="text", help=field)
-    p.add_argument("--mix", type=parse_mix, help="target shares of the train tokens per source (a "
-                   "file's name without extensions, a folder's name), e.g. en=0.6,fr=0.4; reached "
-                   "by repeating or dropping documents")
-    p.add_argument("--val_fraction", type=float, default=0.005,
-                   help="share of each source's documents held out for validation (at least one)")
-    p.add_argument("--seed", type=int, default=1337,
-                   help="seeds the validation draw, the document order and the mixing")
-    p.add_argument("--workers", type=int, default=usable_cores(),
-                   help="processes that read, tokenize and write; by default one per core this "
-                        "process may use. The output is the same for any number")
-    t = command("tokenizer", "learn a small byte-level BPE tokenizer.json from text files")
-    t.add_argument("--input", nargs="+", required=True, help=inputs)
-    t.add_argument("--vocab_size", type=int, required=True,
-                   help="number of ids, the 4 special tokens included")
-    t.add_argument("--out", required=True, help="the tokenizer.json to write")
-    t.add_argument("--field", default="text", help=field)
-    d = command("docstrings", "write the standard library's docstrings as JSONL (general text)")
-    d.add_argument("--out", required=True, help="the .jsonl to write")
-    d.add_argument("--max_bytes", type=int, default=1_000_000, help="stop after this much text")
-    e = command("demo", "build the demo corpus: docstrings and a BPE learned from them "
-                        "(what `python data.py` does)")
-    e.add_argument("--out", default="data/demo", help="the directory to write")
-    e.add_argument("--vocab_size", type=int, default=DEMO_VOCAB,
-                   help="ids of the BPE learned from the demo's text; 0: the byte tokenizer")
-    return parser
+# Command line (machinery/datacli.py: the subcommands, the demo corpus and the BPE trainer's)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    if not argv:
-        return prepare_demo()
-    a = make_parser().parse_args(argv)
-    if a.command == "tokenizer":
-        train_tokenizer(a.input, a.vocab_size, a.out, a.field)
-    elif a.command == "docstrings":
-        path = write_docstrings(a.out, a.max_bytes)
-        print(f"{path}: {path.stat().st_size / 1e6:.1f} MB of docstrings")
-    elif a.command == "demo":
-        prepare_demo(a.out, a.vocab_size or None)
-    else:
-        prepare(a.input, a.tokenizer, a.out, a.field, a.mix, a.val_fraction, a.seed, a.workers)
+    """data.py's command line: a subcommand per step above; no arguments: the demo corpus."""
+    return datacli.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

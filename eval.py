@@ -1,48 +1,47 @@
 """
-Evaluation of ModernBERT checkpoints: how far a run's representations moved (CKA against a
-seed-noise band), what they are worth downstream (fine-tuning), and how well it still predicts.
+Evaluation of ModernBERT checkpoints: how far a run's representations moved (layer-wise CKA against
+a seed-noise band), what they are worth downstream (fine-tuning), and how well it still predicts
+(validation loss).
 
-    python eval.py cka RUN_MLM RUN_CLM --control=RUN_MLM_SEED2 --control=RUN_MLM_SEED3 \\
-        --names=MLM,CLM --texts=heldout.jsonl --out=out/cka.json
-    python eval.py cka MLM_R1,MLM_R2,MLM_R3 CLM_R1,CLM_R2,CLM_R3 --texts=heldout.jsonl  # replicates
+    python eval.py cka MLM_R1,MLM_R2,MLM_R3 CLM_R1,CLM_R2,CLM_R3 --control=MLM_SEED_R1 \
+        --control=MLM_SEED_R2 --control=MLM_SEED_R3 --names=MLM,CLM --texts=heldout.jsonl
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
-    python eval.py table out/ft-mlm.json out/ft-clm.json  # compared with the first, 95% intervals
-    python eval.py table mlm-r1.json,mlm-r2.json clm-r1.json,clm-r2.json  # replicates of each arm
+    python eval.py table mlm-r1.json,mlm-r2.json clm-r1.json,clm-r2.json  # arms compared
     python eval.py mlm RUN --data=data/demo
     python eval.py curves out/clm out/mlm --out=out/curves.png
-    python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl \\
-        --lengths=512,1024,2048 --depths=0,50,100 --out=out/needle.json  # 95% intervals, heat map
+    python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
 A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. Sections:
-batches, metrics, statistics (what a difference between arms must carry), CKA, task kinds,
-fine-tuning, comparing fine-tuned arms, validation loss and curves, long context (the needle). The
-machinery a reader may skip: models and tokenizers found and checked (machinery/models.py), task
-and results files and the saved seeds (machinery/tasks.py), tables and figures
+batches, CKA and its band, task kinds, fine-tuning, validation loss and curves. Two lessons of
+their own live in one file each: comparing arms (intervals, power, verdicts, the `table` command:
+machinery/compare.py) and long context (the `needle` command: machinery/needle.py). The
+machinery a reader may skip: the metrics (machinery/metrics.py), models and tokenizers found and
+checked (machinery/models.py), task and results files (machinery/tasks.py), tables and figures
 (machinery/report.py), the command line (machinery/evalcli.py). Bad input ends in one line
 `error: ...` and exit status 2.
 """
 import copy
-import json
 import math
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import load_meta
 from machinery import evalcli
 from machinery.cli import InputError, autocast, check_outputs, pick_device, run, save
-from machinery.compare import compare, interval, t_interval, t_quantile, verdict
-from machinery.models import as_list, distinct_models, inspect_model, load_weights, model_files, model_tokenizer
-from machinery.tasks import SPLITS, cached_seed, is_number, read_jsonl, read_task, source_digest
-from model import IGNORE_INDEX
+from machinery.compare import t_interval, t_quantile, verdict
+from machinery.metrics import entity_counts, entity_f1_from_counts, f1_counts, f1_from_counts, one_hot
+from machinery.models import (as_list, check_validation_data, distinct_models, inspect_model, load_weights,
+                              model_files, model_tokenizer)
+from machinery.tasks import (SPLITS, cached_seed, carve_dev, is_number, read_tasks, read_texts, seed_folder,
+                             source_digest, subset)
+from model import IGNORE_INDEX, ModernBERT
 
 # ----------------------------------------------------------------------------
 # Batches (a model and its tokenizer are found and checked in machinery/models.py)
@@ -63,100 +62,15 @@ def batches_by_length(seqs, batch_size):
 
 
 # ----------------------------------------------------------------------------
-# Metrics, written out here and tested against scikit-learn and seqeval (not dependencies). Each
-# is a function of counts that add up over examples (per label: true positives, false positives,
-# false negatives; per sentence: gold, found and correct entities), so that one function scores a
-# test set and any resample of its examples (the intervals of "Comparing arms" below).
-
-
-def f1_counts(true, pred):
-    """(n, C, 3) counts of (n, C) indicator matrices: per example and column, TP, FP and FN."""
-    true, pred = np.asarray(true, bool), np.asarray(pred, bool)
-    return np.stack([true & pred, ~true & pred, true & ~pred], -1).astype(np.int64)
-
-
-def f1_from_counts(counts, present_only):
-    """(macro-F1, micro-F1) of TP, FP, FN totals (..., C, 3), as sklearn's f1_score with
-    zero_division=0: per column 2TP / (2TP + FP + FN). present_only: the macro mean over the
-    columns that some true or predicted label falls in (sklearn's default `labels`); else over
-    every column, an empty one scoring 0 (sklearn with `labels` given)."""
-    tp, fp, fn = np.moveaxis(np.asarray(counts, np.float64), -1, 0)  # (..., C) each
-    denominator = 2 * tp + fp + fn
-    f1 = np.where(denominator > 0, 2 * tp / np.maximum(denominator, 1), 0.0)
-    used = denominator > 0 if present_only else np.ones(f1.shape, bool)
-    macro = (f1 * used).sum(-1) / np.maximum(used.sum(-1), 1)
-    total = denominator.sum(-1)
-    return macro, np.where(total > 0, 2 * tp.sum(-1) / np.maximum(total, 1), 0.0)
-
-
-def one_hot(labels, columns):
-    """(n, C) indicators of one label per example among `columns`."""
-    index = {label: i for i, label in enumerate(columns)}
-    return np.eye(len(columns), dtype=bool)[[index[x] for x in labels]]
-
-
-def f1_scores(true, pred):
-    """Macro- and micro-F1 of (n, C) indicator matrices over every column."""
-    macro, micro = f1_from_counts(f1_counts(true, pred).sum(0), present_only=False)
-    return {"macro_f1": float(macro), "micro_f1": float(micro)}
-
-
-def label_f1(true, pred):
-    """Single-label F1 over the labels found in either list (sklearn's default `labels`)."""
-    columns = sorted(set(true) | set(pred))
-    counts = f1_counts(one_hot(true, columns), one_hot(pred, columns)).sum(0)
-    macro, micro = f1_from_counts(counts, present_only=True)
-    return {"macro_f1": float(macro), "micro_f1": float(micro)}
-
-
-def entities(tags, strict=False):
-    """Entity spans (type, first, last) of one IOB2 sentence. seqeval's default mode: an I- that
-    does not continue an entity of its own type starts a new one, as a B- does. strict (seqeval's
-    mode="strict", scheme IOB2): an entity is a B- and the I-s of its type that follow it; an I-
-    that continues nothing is no entity."""
-    spans, current = [], None  # current: (type, first) of the entity being read
-    for i, tag in enumerate([*tags, "O"]):
-        prefix, kind = tag[:1], tag[2:]
-        if current and (prefix != "I" or kind != current[0]):
-            spans.append((*current, i - 1))
-            current = None
-        if prefix == "B" or (prefix == "I" and current is None and not strict):
-            current = (kind, i)
-    return spans
-
-
-def entity_counts(true, pred, strict=False):
-    """(n, 3): per sentence, its gold, found and correct (same type and span) entities."""
-    rows = []
-    for gold, found in zip(true, pred):
-        g, f = set(entities(gold, strict)), set(entities(found, strict))
-        rows.append((len(g), len(f), len(g & f)))
-    return np.array(rows, np.int64).reshape(-1, 3)
-
-
-def entity_f1_from_counts(counts):
-    """Micro-F1 over exactly matching entities from (..., 3) totals: 2 correct / (gold + found)."""
-    gold, found, correct = np.moveaxis(np.asarray(counts, np.float64), -1, 0)
-    return np.where(gold + found > 0, 2 * correct / np.maximum(gold + found, 1), 0.0)
-
-
-def entity_f1(true, pred, strict=False):
-    """Micro-F1 over exactly matching (sentence, type, span) entities, as seqeval's f1_score."""
-    return float(entity_f1_from_counts(entity_counts(true, pred, strict).sum(0)))
-
-
-# ----------------------------------------------------------------------------
 # CKA: per layer, how alike two models represent the same texts. The signal is the pair's
 # divergence 1 - CKA against seed noise: the divergence between two runs of the reference method
 # that differ only in their training seed (the seed controls), and the band rule below.
 
 BAND_RULE = ("outside the band: the pair's mean 1 - CKA over its replicates lies above the "
              "controls' one-sided 95% prediction bound, mean + t(0.95, k - 1) * sqrt(sd^2 (1/k + "
-             "1/m) + sd_draws^2 / draws) (k controls that share no run with each other, m "
-             "replicates; sd_draws: how much the pair's mean moves between draws of texts), so a "
-             "layer where the pair is no farther apart than seed noise is marked outside at most 5% "
-             "of the time (measured: 4.3% on simulated runs built as the study builds them; "
-             "controls that share runs, as A1-A2, A1-A3, A2-A3, gave 6.3%)")
+             "1/m) + sd_draws^2 / draws) (k controls that share no run, m replicates; sd_draws: how "
+             "much the pair's mean moves between draws of texts): a layer no farther apart than "
+             "seed noise is marked outside at most 5% of the time (4.3% measured; RECIPE.md)")
 
 
 def band(pair, controls, draw_sd=0.0, draws=1):
@@ -227,14 +141,9 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
     if len(a_runs) != len(b_runs):
         raise InputError(f"{len(a_runs)} replicates of model A but {len(b_runs)} of model B; "
                          f"replicate r of A pairs with replicate r of B")
-    pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
-    if n > len(pool):
-        raise InputError(f"{texts}: {len(pool)} texts, fewer than the n={n} to draw")
-    if n < 3 or len(set(pool)) < 3:
-        raise InputError(f"{texts}: {len(set(pool))} distinct texts, n={n}; CKA needs at least 3 "
-                         f"(of 2 texts it is 1 whatever the models)")
+    pool = read_texts(texts, n)  # at least n, and 3 distinct: of 2 texts CKA is 1 whatever the models
     paths = [*a_runs, *b_runs, *controls]
-    infos = distinct_models(paths, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
+    infos = distinct_models(paths, ModernBERT, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
     check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
     device = pick_device(device)
@@ -331,10 +240,6 @@ def cross_entropy(logits, targets):
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def most_common(labels):
-    return Counter(labels).most_common(1)[0][0]
-
-
 class Kind:
     def score(self, gold, preds, labels):
         """Every metric of predictions against gold labels; labels: the task's "scored" labels."""
@@ -411,7 +316,7 @@ class TokenClassification(Kind):
                 "micro_f1": micro, "accuracy": t[..., -2] / np.maximum(t[..., -1], 1)}
 
     def majority(self, train):
-        return most_common(t for ex in train for t in ex["label"])
+        return Counter(t for ex in train for t in ex["label"]).most_common(1)[0][0]
 
     def fill(self, tag, gold):
         return [[tag] * len(tags) for tags in gold]
@@ -485,7 +390,7 @@ class SingleLabel(SequenceClassification):
         return labels[logits.argmax()]
 
     def majority(self, train):
-        return most_common(ex["label"] for ex in train)
+        return Counter(ex["label"] for ex in train).most_common(1)[0][0]
 
 
 class MultiLabel(SequenceClassification):
@@ -518,15 +423,16 @@ KINDS = {kind.name: kind for kind in (TokenClassification(), SingleLabel(), Mult
 NER_MODES = {"default": KINDS["token"], "strict": TokenClassification(strict=True)}
 
 
-def kind_of(task, ner_mode="default"):
-    """The task's kind; a token task reads its entities in seqeval's default or strict mode."""
+def kind_of(task, ner_mode=None):
+    """The task's kind; a token task reads its entities in seqeval's default or strict mode (None:
+    the mode a results file's task records, else the default). machinery/compare.py takes it."""
+    ner_mode = ner_mode or task.get("ner_mode") or "default"
     return NER_MODES[ner_mode] if task["kind"] == "token" else KINDS[task["kind"]]
 
 # ----------------------------------------------------------------------------
-# Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16, 10
-# epochs (20 for token classification), or a budget in optimizer steps (--steps: a small task
-# is then not starved, a large one not over-read); dev is scored at evenly spaced points and the
-# best point's weights are scored once on test.
+# Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16; 10
+# epochs (20 for token classification) or a budget in optimizer steps (--steps), so that no task
+# is starved; dev is scored at evenly spaced points, the best point's weights once on test.
 
 
 @dataclass
@@ -545,9 +451,8 @@ class Settings:
 
 
 class Classifier(nn.Module):
-    """Encoder, its pretrained head transform (dense, GELU, norm: as HF's
-    ModernBert*Classification), dropout and a linear layer, on the pooled vector (sequence tasks)
-    or on every token (token tasks)."""
+    """Encoder, its pretrained head transform (dense, GELU, norm: as HF's ModernBert*Classification),
+    dropout and a linear layer, on the pooled vector (sequence tasks) or every token (token tasks)."""
 
     def __init__(self, encoder, n_labels, per_token, pooling="cls", dropout=0.0):
         super().__init__()
@@ -573,8 +478,7 @@ def collate(batch, kind, pad_id, device):
 
 
 def diverged(task, s, what):
-    return InputError(f"{task['name']}: {what} (the fine-tuning diverged: try a lower --lr than "
-                      f"{s.lr})")
+    return InputError(f"{task['name']}: {what} (the fine-tuning diverged: try a lower --lr than {s.lr})")
 
 
 @torch.no_grad()
@@ -670,34 +574,9 @@ def train_seed(base, task, data, seed, s):
               f"{' (best)' if better else ''}, {time.time() - start:.0f} s", flush=True)
         model.train()
     model.load_state_dict(best.pop("state"))
-    dev_preds = best.pop("dev_predictions")
-    test, preds = evaluate(model, task, data["test"], s)
-    return {**best, "steps": steps, "test": test, "seconds": round(time.time() - start, 2)}, \
-        {"dev": dev_preds, "test": preds}
-
-
-def subset(examples, n):
-    """n examples drawn with a fixed seed (the same for every run seed); all when n is None."""
-    if n is None or n >= len(examples):
-        return examples
-    drawn = np.random.default_rng(0).choice(len(examples), n, replace=False)
-    return [examples[i] for i in np.sort(drawn)]
-
-
-def carve_dev(task, dev_min):
-    """(train, dev, how): a dev set smaller than dev_min is topped up to dev_min with examples drawn
-    from train (a fixed draw; they leave train), so that choices and the informative rule rest on
-    enough examples. 50 dev examples move a score by 1/50 per example."""
-    train, own = task["train"], task["dev"]
-    carved = max(0, dev_min - len(own))
-    if carved >= len(train):
-        raise InputError(f"{task['name']}: --dev_min={dev_min} would move {carved} examples from "
-                         f"train to dev, but train holds {len(train)} (at most {len(train) - 1} can "
-                         f"move; dev holds {len(own)})")
-    drawn = set(np.random.default_rng(0).choice(len(train), carved, replace=False).tolist())
-    moved = [{**ex, "from": "train"} for i, ex in enumerate(train) if i in drawn]
-    return ([ex for i, ex in enumerate(train) if i not in drawn], own + moved,
-            {"own": len(own), "carved_from_train": carved, "dev_min": dev_min})
+    preds = {"dev": best.pop("dev_predictions")}
+    test, preds["test"] = evaluate(model, task, data["test"], s)
+    return {**best, "steps": steps, "test": test, "seconds": round(time.time() - start, 2)}, preds
 
 
 def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epochs=None, steps=None,
@@ -709,25 +588,14 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     done, under a name keyed on a fingerprint of the settings, the model's weights, the task files'
     contents and the code that fine-tunes: a later call reuses exactly the pairs whose inputs did
     not change."""
-    tasks = [read_task(t) for t in tasks]  # every input error surfaces before any training
+    tasks = read_tasks(tasks, seeds)  # every input error surfaces before any training
     check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds")])
-    names = [t["name"] for t in tasks]
-    if len(set(names)) < len(names):
-        raise InputError(f"task folders must have distinct names, got {names}")
-    if len(set(seeds)) < len(seeds):
-        raise InputError(f"seeds must be distinct (a seed run twice counts twice): {list(seeds)}")
     splits = {t["name"]: carve_dev(t, dev_min) for t in tasks}  # a bad --dev_min ends here too
-    info = inspect_model(model)
+    info = inspect_model(model, ModernBERT)
     tok = model_tokenizer(info, tokenizer)
-    device = pick_device(device)
-    seed_dir = Path(out).with_suffix(".seeds")
-    try:  # a folder that cannot be written is found before any training
-        seed_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"{seed_dir}: cannot create it ({e.strerror or e})") from None
+    device, seed_dir = pick_device(device), seed_folder(out)  # a folder that cannot be written: here
     base = load_weights(info, device)
-    s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device,
-                 ner_mode)
+    s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, steps=steps, evals=evals, lr=lr,
                 max_len=max_len, train_subset=train_subset, dev_subset=dev_subset,
                 test_subset=test_subset, dev_min=dev_min, batch_size=batch_size, pooling=pooling,
@@ -740,8 +608,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
         train, dev, how = splits[task["name"]]
         examples = {"train": subset(train, train_subset), "dev": subset(dev, dev_subset),
                     "test": subset(task["test"], test_subset)}
-        results["tasks"][task["name"]] = finetune_task(base, tok, task, examples, how, seeds, s,
-                                                       inputs, seed_dir)
+        results["tasks"][task["name"]] = finetune_task(base, tok, task, examples, how, seeds, s, inputs, seed_dir)
         save(out, results)
     return results
 
@@ -791,29 +658,6 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
             "mean": mean, "std": std, "baseline": baseline}
 
 
-def table(files, reference=None):
-    """Print and return the comparison of results files of `finetune` (machinery/compare.py): each
-    file an arm, or several separated by commas, the replicates of one arm (replicate r of each arm
-    paired); the first arm is the reference unless --reference names another. An arm is named by
-    its first file."""
-    if len(set(map(str, files))) < len(files):
-        raise InputError(f"a results file is given twice: {list(map(str, files))}")
-    arms = {}
-    for f in files:
-        runs = str(f).split(",")
-        name = Path(runs[0]).stem if Path(runs[0]).stem not in arms else runs[0]
-        arms[name] = {"-": runs}
-    from machinery.report import finetune_markdown  # rendering lives with the machinery
-    text = finetune_markdown(compare(arms, task_kind, reference))
-    print(text, end="")
-    return text
-
-
-def task_kind(entry):
-    """The kind of a task as a results file records it (what machinery/compare.py needs)."""
-    return kind_of(entry, entry.get("ner_mode") or "default")
-
-
 # ----------------------------------------------------------------------------
 # Validation loss, and loss curves
 
@@ -821,18 +665,8 @@ def task_kind(entry):
 def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
     """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first
     n_sequences windows of data/val.bin, each a mean over their labelled tokens."""
-    info = inspect_model(model)
-    meta = load_meta(data)
-    c = info["config"]
-    if meta["mask_id"] != c.mask_token_id or meta["vocab_size"] > c.vocab_size:
-        raise InputError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab "
-                         f"{meta['vocab_size']}, but {model} has mask id {c.mask_token_id} and "
-                         f"vocab {c.vocab_size}")
-    from data import count_windows
-    available = count_windows(data, "val", seq_len)
-    if n_sequences > available:  # never a loss over fewer windows than the command asks for
-        raise InputError(f"{data}/val.bin holds {available} windows of {seq_len} tokens; "
-                         f"--n_sequences={n_sequences} asks for more")
+    info = inspect_model(model, ModernBERT)
+    check_validation_data(data, info, n_sequences, seq_len)  # never fewer windows than asked for
     device = pick_device(device)
     net = load_weights(info, device)
     from train import validation_losses  # only this command needs the trainer
@@ -849,210 +683,7 @@ def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
 def curves(runs, out, names=None):
     """Several runs' loss curves on shared axes, one colour per run (machinery/curves.py)."""
     from machinery.curves import draw_runs  # matplotlib: only this command needs it
-    for folder in runs:
-        if not (Path(folder) / "log.jsonl").is_file():
-            raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
-    if names is not None and len(names) != len(runs):
-        raise InputError(f"--names gives {len(names)} names for {len(runs)} runs")
-    check_outputs("--out", [out], [Path(folder) / "log.jsonl" for folder in runs])
     return draw_runs([str(r) for r in runs], str(out), names=names)
-
-
-# ----------------------------------------------------------------------------
-# Long context: the needle. A made-up code (the needle's value) is written into real held-out text (the
-# haystack) and asked for at the end with its tokens masked; the model must fill them from what it read, with
-# bidirectional attention, as an encoder is used. Every depth and both controls of one length share the same
-# values and the same text: they differ only in where the needle is.
-
-NEEDLE = (" The code is", ".")  # the words around the value; the query at the end restates them
-CONSONANTS = "BCDFGHJKLMNPQRSTVWXZ"  # no vowels: a value spells no word the model could guess from priors
-CONTROLS = ("no needle", "next to the query")
-VALUE_POOL = "3 consonants, a dash and 3 digits, e.g. QXT-481; 8,000,000 codes"
-
-
-def needle_value(rng):
-    """A value from the pool (VALUE_POOL): no text holds it, and it is several tokens in any tokenizer."""
-    return "".join(rng.choice(list(CONSONANTS), 3)) + "-" + "".join(str(d) for d in rng.integers(0, 10, 3))
-
-
-def needle_examples(tok, texts, lengths, depths, n, seed):
-    """The examples, length by length, example by example, each depth then the controls. Example i of length L
-    draws its value and its haystack's first text with (seed, L, i); the haystack is the texts (each with a
-    leading space, joined, wrapping round after the last) from there. A sequence is [CLS] haystack query [SEP],
-    exactly L tokens. The needle (prefix, value, suffix, tokenized apart, so that the query's [MASK]s are exactly
-    the value's tokens) sits in the haystack with depth% of the haystack's other tokens between it and the
-    query: 0 right before the query, 100 right after [CLS]. Controls: the haystack without the needle (what the
-    model guesses from priors), and [CLS] needle query [SEP] alone (its best case, shorter than L)."""
-    prefix, suffix = tok.encode(NEEDLE[0]), tok.encode(NEEDLE[1])
-    docs = tok.encode_batch([" " + t for t in texts])
-    stream = np.concatenate([np.asarray(d, np.int64) for d in docs] or [np.zeros(0, np.int64)])
-    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
-    if len(stream) < max(lengths) - 2:  # a haystack never repeats a text
-        raise InputError(f"--texts: {len(texts)} texts hold {len(stream)} tokens, fewer than the "
-                         f"{max(lengths) - 2} a haystack of {max(lengths)} tokens needs (--lengths)")
-    examples = []
-    for L in lengths:
-        for i in range(n):
-            rng = np.random.default_rng([seed, L, i])
-            value = needle_value(rng)
-            first = int(starts[rng.integers(len(docs))])
-            answer = tok.encode(" " + value)
-            needle, query = prefix + answer + suffix, prefix + [tok.mask_id] * len(answer) + suffix
-            room = L - 2 - len(query)  # the haystack's tokens, the needle's among them
-            filler = room - len(needle)
-            if filler < 1:
-                raise InputError(f"--lengths: {L} tokens cannot hold [CLS], the needle ({len(needle)} tokens), "
-                                 f"the query ({len(query)}), [SEP] and any haystack")
-            hay = np.take(stream, np.arange(first, first + room), mode="wrap").tolist()
-
-            def example(column, ids, at):
-                q = len(ids) - 1 - len(query)  # where the query starts
-                return dict(length=L, column=column, index=i, value=value, needle_at=at, answer=answer,
-                            masked=list(range(q + len(prefix), q + len(prefix) + len(answer))), ids=ids)
-
-            for d in depths:
-                before = filler - round(d / 100 * filler)  # haystack tokens between [CLS] and the needle
-                ids = [tok.cls_id, *hay[:before], *needle, *hay[before:filler], *query, tok.sep_id]
-                examples.append(example(str(d), ids, 1 + before))
-            examples.append(example(CONTROLS[0], [tok.cls_id, *hay, *query, tok.sep_id], None))
-            examples.append(example(CONTROLS[1], [tok.cls_id, *needle, *query, tok.sep_id], 1))
-    return examples
-
-
-@torch.no_grad()
-def fill_masks(model, examples, batch_tokens, device):
-    """Per example, whether the argmax of the MLM logits at each [MASK] is the value's token (a list of bools).
-    Sequences of one token count go together, max(1, batch_tokens // count) per forward, so memory stays within
-    batch_tokens tokens' activations (or one sequence's); the head runs on the masked positions alone."""
-    hits, groups = [None] * len(examples), {}
-    for i, ex in enumerate(examples):
-        groups.setdefault(len(ex["ids"]), []).append(i)
-    for T, members in groups.items():
-        size = max(1, batch_tokens // T)
-        for idx in (members[j:j + size] for j in range(0, len(members), size)):
-            ids = torch.tensor([examples[i]["ids"] for i in idx], device=device)  # (B, T): no padding
-            rows = torch.tensor([b for b, i in enumerate(idx) for _ in examples[i]["masked"]], device=device)
-            cols = torch.tensor([p for i in idx for p in examples[i]["masked"]], device=device)
-            with autocast(device):
-                guess = model.predict(model.encode(ids)[rows, cols]).argmax(-1).tolist()  # (M,)
-            for i in idx:
-                answer = examples[i]["answer"]
-                hits[i], guess = [g == a for g, a in zip(guess, answer)], guess[len(answer):]
-    return hits
-
-
-def wilson(k, n, z=NormalDist().inv_cdf(0.975)):
-    """The Wilson score interval of k successes in n independent trials (95% by default): unlike p +- z * se it
-    stays within [0, 1] and is not empty at 0 or n of n."""
-    p, z2 = k / n, z * z
-    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def needle_cell(hits):
-    """One model's cell: exact match (every token of the value) with its Wilson interval, and token accuracy
-    with its t interval, over the examples (the independent unit); each example's numbers kept."""
-    exact = [int(all(h)) for h in hits]
-    token = [sum(h) / len(h) for h in hits]
-    low, high = wilson(sum(exact), len(exact))
-    mean, t_low, t_high = t_interval(token)
-    if t_low is not None:  # cut to the values an accuracy can take
-        t_low, t_high = max(0.0, t_low), min(1.0, t_high)
-    return dict(n=len(hits), exact=sum(exact) / len(exact), exact_low=low, exact_high=high, token=mean,
-                token_low=t_low, token_high=t_high, exact_each=exact, token_each=token)
-
-
-def replicates_cell(cells):
-    """An arm's cell: the mean over its replicates with a 95% interval over every unit it rests on (eval.interval:
-    the replicates' spread, pretraining noise, and a bootstrap of the examples, the same for every replicate), cut
-    to [0, 1]. Exact match's interval also holds the Wilson interval of the examples' means over replicates: where
-    every replicate misses (or fills) every example, the spread is 0 but n examples still bound the rate. One
-    replicate: its own cell."""
-    if len(cells) == 1:
-        return {k: v for k, v in cells[0].items() if not k.endswith("_each")}
-    out = dict(n=cells[0]["n"], replicates=len(cells))
-    for key in ("exact", "token"):
-        each = np.array([c[f"{key}_each"] for c in cells], np.float64)  # (R, N)
-        counts = np.stack([each, np.ones_like(each)], -1)[:, None]  # (R, 1, N, 2): a score and 1 per example
-        iv = interval(lambda totals: totals[..., 0] / totals[..., 1], counts)
-        low, high = iv["low"], iv["high"]
-        if key == "exact":
-            w_low, w_high = wilson(each.mean(0).sum(), each.shape[1])
-            low, high = min(low, w_low), max(high, w_high)
-        out.update({key: iv["mean"], f"{key}_low": max(0.0, low), f"{key}_high": min(1.0, high)})
-    return out
-
-
-def needle(models, texts, names=None, lengths=(512, 1024, 2048, 4096, 8192), depths=(0, 25, 50, 75, 100), n=20,
-           seed=0, out="needle.json", batch_tokens=8192, tokenizer=None, device="auto"):
-    """Needle in a haystack: can the model fill a value it read up to L tokens earlier? For each length and
-    depth (how far back from the query the needle sits, as a share of the haystack: 0% right before the query,
-    100% right after [CLS]), n examples from the held-out texts (needle_examples), each masked token filled by
-    the argmax of the MLM logits with bidirectional attention: what an encoder does. A decoder (CLM-only) model
-    reads left to right and is not what this measures. Scored by exact match of the whole value (Wilson 95%
-    interval over examples) and token accuracy (t interval); two controls per length: no needle (priors) and the
-    needle next to the query with no haystack (the best case). models: one per arm, or an arm's replicates
-    separated by commas (their mean is given beside each one's). Writes out (JSON: the inputs and every cell),
-    the examples beside it (OUT.examples.jsonl) and a heat map (PNG); returns the result."""
-    arms = [as_list(m) for m in models]
-    names = list(names or [Path(str(a[0])).name for a in arms])
-    if len(names) != len(arms) or len(set(names)) < len(names):
-        raise InputError(f"--names gives {len(names)} distinct names for {len(arms)} models")
-    groups = [[inspect_model(p) for p in arm] for arm in arms]
-    infos, seen = [info for group in groups for info in group], {}
-    for info in infos:  # a replicate given twice would count one run twice in its arm's mean
-        if info["sha256"] in seen:
-            raise InputError(f"{info['path']} has the same weights as {seen[info['sha256']]}; each model and "
-                             f"replicate must be a run of its own")
-        seen[info["sha256"]] = info["path"]
-    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
-                  [texts, *model_files(infos)])
-    toks = [model_tokenizer(info, tokenizer) for info in infos]
-    if len({t.fingerprint for t in toks}) > 1:
-        raise InputError("the models use different tokenizers; the examples are token sequences, the same for "
-                         "every model: run needle once per tokenizer")
-    for info in infos:
-        top = info["config"].max_position_embeddings
-        if max(lengths) > top:
-            raise InputError(f"--lengths={','.join(map(str, lengths))}: {max(lengths)} is above "
-                             f"{info['path']}'s max_position_embeddings {top}")
-    pool = [ex["text"] for ex in read_jsonl(texts, labelled=False)]
-    examples = needle_examples(toks[0], pool, lengths, depths, n, seed)  # bad lengths end here, before compute
-    written = Path(out).with_suffix(".examples.jsonl")
-    try:
-        written.parent.mkdir(parents=True, exist_ok=True)
-        with open(written, "w", encoding="utf-8") as f:
-            for ex in examples:
-                f.write(json.dumps({**ex, "text": toks[0].decode(ex["ids"])}) + "\n")
-    except OSError as e:
-        raise InputError(f"{written}: cannot write it ({e.strerror or e})") from None
-    device, start = pick_device(device), time.time()
-    columns = [str(d) for d in depths] + list(CONTROLS)
-    result = {"names": names, "lengths": list(lengths), "columns": columns, "value_pool": VALUE_POOL,
-              "needle": list(NEEDLE), "examples": written.name, "arms": {},
-              "args": dict(models=[list(map(str, a)) for a in arms], texts=str(texts), lengths=list(lengths),
-                           depths=list(depths), n=n, seed=seed, batch_tokens=batch_tokens, tokenizer=tokenizer,
-                           device=device.type)}
-    for name, arm, group in zip(names, arms, groups):
-        runs = []
-        for path, info in zip(arm, group):  # one model in memory at a time
-            model = load_weights(info, device)
-            hits = fill_masks(model, examples, batch_tokens, device)
-            del model
-            cells = {}
-            for ex, h in zip(examples, hits):
-                cells.setdefault(str(ex["length"]), {}).setdefault(ex["column"], []).append(h)
-            runs.append({"model": str(path), "cells": {L: {c: needle_cell(h) for c, h in row.items()}
-                                                       for L, row in cells.items()}})
-            print(f"{name}: {path} scored in {time.time() - start:.0f} s", flush=True)
-        mean = {L: {c: replicates_cell([r["cells"][L][c] for r in runs]) for c in columns} for L in runs[0]["cells"]}
-        result["arms"][name] = {"models": list(map(str, arm)), "replicates": runs, "mean": mean}
-    result["seconds"] = round(time.time() - start, 2)
-    save(out, result)
-    from machinery.report import needle_markdown, plot_needle  # rendering: matplotlib only here
-    print(needle_markdown(result))
-    plot_needle(result, Path(out).with_suffix(".png"))
-    return result
 
 
 # ----------------------------------------------------------------------------

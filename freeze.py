@@ -1,7 +1,10 @@
 """Freezing blocks of layers, frozen meaning unchanged: the paper's interventions freeze blocks 0-7
 or 8-14 of the 22-layer base model during the CLM phase, or blocks 0-7 during the decay.
 
-`--freeze=0-7` (also `8-14`, `0,2,5`, `low`, `mid`) names transformer blocks. The trainer zeroes
+`--freeze=0-7` (also `8-14`, `0,2,5`, `low`, `mid`) names transformer blocks; `embeddings` (alone or
+with blocks: `embeddings,0-7`) names the token embeddings and their norm. The embedding matrix is tied
+to the output layer (the MLM decoder reads its logits off the same tensor), so freezing the embeddings
+freezes the output matrix too; the decoder's bias stays trainable. The trainer zeroes
 their gradients after each backward pass (what the paper does) AND tells the optimizer to skip them:
 under AdamW, zero gradients alone still move a parameter through its stale moments and the weight
 decay, so zeroing alone does not freeze anything.
@@ -9,10 +12,14 @@ decay, so zeroing alone does not freeze anything.
 from machinery.cli import InputError
 
 
-def parse_layers(spec: str, n_layers: int) -> list[int]:
+def parse_layers(spec: str, n_layers: int) -> list:
     """'0-7' | '8-14' | '0,2,5' | 'low' (first third) | 'mid' (second third) | '' (none) -> sorted
-    block indices."""
+    block indices; 'embeddings' among the parts puts "embeddings" first."""
     spec = spec.strip()
+    parts = [p.strip() for p in spec.split(",")]
+    if "embeddings" in parts:
+        rest = ",".join(p for p in parts if p != "embeddings")
+        return ["embeddings"] + parse_layers(rest, n_layers)
     third = round(n_layers / 3)  # 22 layers: low = 0-7, mid = 8-14, as in the paper
     presets = {"": [], "none": [], "low": range(0, third + 1),
                "mid": range(third + 1, 2 * third + 1)}
@@ -25,7 +32,7 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
             first, last = int(lo), int(hi or lo)
         except ValueError:
             raise InputError(f"--freeze={spec!r}: expected block ranges like 0-7, 8-14 or 0,2,5, "
-                             f"or low / mid") from None
+                             f"or low / mid, and optionally embeddings") from None
         if not 0 <= first <= last < n_layers:
             raise InputError(f"--freeze={spec!r}: {part.strip()!r} is outside the model's blocks "
                              f"0-{n_layers - 1}")
@@ -34,8 +41,10 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
 
 
 def frozen_names(model, layers) -> set:
-    """Names of every parameter inside the given blocks (`model.layers.{i}.*`)."""
-    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    """Names of every parameter inside the given blocks (`model.layers.{i}.*`), and of the embeddings
+    (`model.embeddings.*`) when "embeddings" is among them. named_parameters() yields the tied matrix once,
+    under the embeddings' name: frozen there, the decoder's weight is frozen with it."""
+    prefixes = tuple("model.embeddings." if i == "embeddings" else f"model.layers.{i}." for i in layers)
     return {name for name, _ in model.named_parameters() if name.startswith(prefixes)}
 
 

@@ -50,11 +50,17 @@ PRESETS = {
 }
 
 
+# The MLP's activation by transformers' name for it (ACT2FN), so that config.json says what runs.
+ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+               "silu": F.silu}
+
+
 @dataclasses.dataclass
 class ModernBERTConfig:
     vocab_size: int = 50368
     hidden_size: int = 768
-    intermediate_size: int = 1152  # GeGLU width; Wi outputs twice this
+    intermediate_size: int = 1152  # GLU width; Wi outputs twice this
+    hidden_activation: str = "gelu"  # the GLU's activation (ACTIVATIONS): GeGLU, as ModernBERT
     num_hidden_layers: int = 22
     num_attention_heads: int = 12
     global_attn_every_n_layers: int = 3  # layer i is global iff i % 3 == 0
@@ -74,6 +80,8 @@ class ModernBERTConfig:
 
     def __post_init__(self):
         check_config(self)  # an InputError naming the field, before anything is allocated
+        if self.hidden_activation not in ACTIVATIONS:
+            raise InputError(f"hidden_activation={self.hidden_activation!r}: expected one of {list(ACTIVATIONS)}")
         if self.layer_types is None:
             n = self.global_attn_every_n_layers
             self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
@@ -102,6 +110,11 @@ class ModernBERTConfig:
     def to_hf(self):
         """The contents of config.json, in the key spellings of transformers 4.x and 5.x."""
         return config_to_hf(self)
+
+    @classmethod
+    def read(cls, config_file):
+        """A checkpoint's config.json, checked (machinery/hf.py)."""
+        return read_config(config_file, cls)
 
 
 # -----------------------------------------------------------------------------
@@ -164,6 +177,16 @@ def reference_attention(q, k, v, keep):
     return (scores.softmax(-1) @ v).transpose(1, 2)  # (B, H, T, D) -> (B, T, H, D)
 
 
+def cross_entropy(h, weight, bias, targets):
+    """The loss, written out: the tied decoder's logits (M, vocab) of the M labelled positions' head outputs h
+    (M, d), and the mean cross-entropy against their targets (M,). MLM's targets are the masked tokens, CLM's the
+    next ones: one loss for both. kernels.linear_cross_entropy computes the same in row chunks, so that the
+    (M, vocab) logits never exist at once in fp32 (tests/test_model.py holds the two equal, value and gradients)."""
+    logits = F.linear(h, weight, bias)  # (M, vocab)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax in fp32 under bf16 autocast
+    return F.cross_entropy(logits, targets) if len(targets) else logits.sum()  # no labelled position: 0
+
+
 # -----------------------------------------------------------------------------
 # The transformer block. Pre-norm; layer 0 has no attn_norm because the embeddings are already
 # normed. No biases anywhere in the blocks, as in ModernBERT.
@@ -195,10 +218,11 @@ class MLP(nn.Module):
         super().__init__()
         self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACTIVATIONS[cfg.hidden_activation]
 
     def forward(self, x):
-        a, gate = self.Wi(x).chunk(2, dim=-1)  # GeGLU: the FIRST half goes through exact (erf) GELU
-        return self.Wo(F.gelu(a) * gate)
+        a, gate = self.Wi(x).chunk(2, dim=-1)  # a GLU: the FIRST half goes through the activation (GeGLU: exact GELU)
+        return self.Wo(self.act(a) * gate)
 
 
 def layer_norm(cfg):
@@ -225,9 +249,12 @@ class Block(nn.Module):
 
 
 class ModernBERT(nn.Module):
-    def __init__(self, config: ModernBERTConfig, backend: str = "auto"):
+    config_class = ModernBERTConfig  # what reads a checkpoint's config.json (as transformers names it)
+
+    def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "fused"):
         super().__init__()
         self.config, self.backend = config, backend  # backend: a name in BACKENDS, or "auto"
+        self.loss = loss  # "plain": cross_entropy below; "fused": the same in chunks (machinery/kernels.py)
         self.compiled_with = None  # torch.compile's backend once compile_blocks has run
         c = config
         self.model = nn.ModuleDict(dict(
@@ -314,9 +341,8 @@ class ModernBERT(nn.Module):
         """Returns (logits, loss).
 
         Without labels: logits (B, T, vocab) and loss None. With labels: sparse prediction, as
-        ModernBERT trains: the head runs only on positions whose label is not -100, the decoder and
-        cross-entropy are fused in chunks, and logits is None (they are never materialised).
-        loss is the mean cross-entropy over the labelled positions.
+        ModernBERT trains: the head runs only on positions whose label is not -100, and the loss is
+        cross_entropy's over them (fused in chunks unless loss="plain"); logits is None.
 
         Labels may stay in host memory while the model is on a GPU: the labelled positions are then
         found on the host, with no device sync, and sent through pinned memory. That is why train.py
@@ -331,7 +357,8 @@ class ModernBERT(nn.Module):
             keep, targets = (t.pin_memory().to(h.device, non_blocking=True)
                              for t in (keep, targets))
         h = self.head_hidden(h.flatten(0, 1)[keep])  # (M, d)
-        return None, linear_cross_entropy(h, self.decoder.weight, self.decoder.bias, targets)
+        loss = cross_entropy if self.loss == "plain" else linear_cross_entropy
+        return None, loss(h, self.decoder.weight, self.decoder.bias, targets)
 
     # --- optimizer groups and FLOPs ---
     def param_groups(self):
@@ -370,7 +397,7 @@ class ModernBERT(nn.Module):
         """Load a Hugging Face directory or hub id; config_overrides set config fields (e.g.
         attention_dropout)."""
         path = resolve_checkpoint(path_or_id)
-        config = read_config(os.path.join(path, "config.json"))
+        config = ModernBERTConfig.read(os.path.join(path, "config.json"))
         model = cls(config.replace(**config_overrides), backend)
         model.load_weights(os.path.join(path, "model.safetensors"))
         return model

@@ -333,13 +333,13 @@ def gpu_hours(stages, s, start):
     the recipe's sequence length, causal for CLM, the head on masked positions only for MLM) at MFU of the H100's
     bf16 peak. A decay without --tokens runs 10% of the run it continues, as train.py does."""
     import torch
-    from machinery.hf import read_config
     from machinery.progress import PEAK_FLOPS
     from model import ModernBERT, ModernBERTConfig
     from train import PHASES, RECIPES, Config
     recipe = {**vars(Config()), **RECIPES[s["recipe"]]}
     local = start is not None and (Path(start) / "config.json").is_file()
-    config = read_config(Path(start) / "config.json") if local else ModernBERTConfig.from_preset(recipe["preset"])
+    config = (ModernBERTConfig.read(Path(start) / "config.json") if local else
+              ModernBERTConfig.from_preset(recipe["preset"]))
     with torch.device("meta"):  # the FLOP count needs the shapes only
         model = ModernBERT(config)
     tokens, hours = {}, {}
@@ -407,8 +407,8 @@ def power_plan(a, s):
             print(f"  {name}: the source report holds no comparison on it")
             continue
         each = [project(c, R, S, N)["detectable"] for c in found[name]]
-        pooled = {k: (sum(c[k] or 0.0 for c in found[name]) / len(found[name]) if k.endswith("_var") else found[name][0][k])
-                  for k in found[name][0]}
+        pooled = {k: sum(c[k] or 0.0 for c in found[name]) / len(found[name]) if k.endswith("_var")
+                  else found[name][0][k] for k in found[name][0]}
         if any(c["replicate_var"] is None for c in found[name]):
             pooled["replicate_var"] = None
         mean = project(pooled, R, S, N)["detectable"]
@@ -430,7 +430,7 @@ def power_plan(a, s):
 
 
 def report(out, study, scale, s, stages, plan, R):
-    from eval import task_kind  # imports torch: only the report needs it
+    from eval import kind_of  # imports torch: only the report needs it
     from machinery import report as render
     from machinery.compare import compare
     from machinery.stages import stage_times
@@ -442,7 +442,7 @@ def report(out, study, scale, s, stages, plan, R):
         if set(models) <= set(FINETUNED[study]):
             rep["finetune"][title] = compare({m: {f"{lr:g}": [ft_path(out, replicate(m, r), lr)
                                                                for r in range(1, R + 1)] for lr in s["lrs"]}
-                                              for m in models}, task_kind, base)
+                                              for m in models}, kind_of, base)
     if study == "detour":
         rep["cka"] = {w: as_in_out({k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"},
                                    out) for w in ("before", "after")}
@@ -694,8 +694,8 @@ def check_contents(a):
     """What the stages will read, read now by the code they read it with: every task folder (a task the
     fine-tuning would refuse hours later is refused here) and a local --start (its config, weights and
     tokenizer)."""
-    from machinery.hf import read_config
     from machinery.tasks import read_task
+    from model import ModernBERTConfig
     from machinery.tokenizer import load_tokenizer
     problems = []
     for t in a.tasks:
@@ -706,7 +706,7 @@ def check_contents(a):
     if a.start is not None and Path(a.start).is_dir():
         start = Path(a.start)
         try:
-            read_config(start / "config.json")
+            ModernBERTConfig.read(start / "config.json")
             load_tokenizer(str(start / "tokenizer.json"))
             if not (start / "model.safetensors").is_file():
                 raise InputError(f"{start}: no model.safetensors (a model directory holds its weights)")
@@ -737,11 +737,11 @@ def main(argv=None):
         for st in stages:
             cost = f"   (~{hours[st.name]:.3g} H100 GPU-hours)" if st.name in hours else ""
             print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
+        power_plan(a, s)
         print(f"the trainings: ~{sum(hours.values()):.3g} H100 GPU-hours in all (an estimate: model FLOPs at "
               f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")
         if a.start and not Path(a.start).exists():
             print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
-        power_plan(a, s)
         print(f"{len(stages)} stages ({len(finished)} finished in {out}); inputs checked; nothing was run (--dry_run)")
         return
     try:

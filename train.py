@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, curves, flags, progress, tracking
-from machinery.hf import read_config, resolve_checkpoint
+from machinery import cli, curves, datacli, flags, progress, tracking
+from machinery.hf import resolve_checkpoint
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import (GracefulStop, RunDir, check_savable, code_version, continuation_dir, rng_state,
                               set_rng_state)
@@ -57,7 +57,7 @@ class Config:
     objective: str = "mlm"  # set by the phase: mlm, or clm (a causal mask and next-token labels)
     mask_rate: float = 0.3  # MLM: the share of tokens predicted (80% [MASK], 10% random, 10% kept)
     separate_documents: bool = False  # no attention across packed documents (the paper allows it)
-    freeze: str = ""  # blocks whose weights stay unchanged: 0-7 | 8-14 | 0,2,5 | low | mid
+    freeze: str = ""  # unchanged: blocks 0-7 | 8-14 | 0,2,5 | low | mid; embeddings (tied: output too)
     # the optimizer and the schedule
     lr: float = 2e-4  # peak learning rate
     allow_high_lr: bool = False  # accept an --lr above 1e-2
@@ -329,7 +329,7 @@ def start_point(given, master, world, local_world):
                                      f"checkpoint yet")
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
         if "preset" in given and STARTS[how].weights:  # weights keep their shape: only the checkpoint's own
-            config = read_config(os.path.join(checkpoint_dir(cfg, state), "config.json"))
+            config = ModernBERTConfig.read(os.path.join(checkpoint_dir(cfg, state), "config.json"))
             flags.check_preset(given["preset"], config, cfg.init_from, PRESETS)
         if STARTS[how].data_position:  # it holds for the parent's seq_len and seeds only
             flags.check_handoff(cfg, state["config"])
@@ -382,7 +382,7 @@ def build_model(cfg, how, state, meta, device):
             cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
             sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"])
     else:
-        config = read_config(os.path.join(source, "config.json"))
+        config = ModernBERTConfig.read(os.path.join(source, "config.json"))
     flags.check_data_fits_model(meta, config, cfg)
     torch.manual_seed(cfg.seed)  # the same init on every rank
     model = ModernBERT(config.replace(attention_dropout=cfg.dropout), cfg.backend)
@@ -491,7 +491,7 @@ def setup(given):
     if demo and rank == 0 and not os.path.exists(os.path.join(cfg.data, "meta.json")):
         print(f"{cfg.data} is missing: building the embedded demo corpus")
         try:
-            data.prepare_demo(cfg.data)
+            datacli.prepare_demo(data.prepare, cfg.data)
         except cli.InputError as e:  # its message names data.py's flags, not ours
             raise cli.InputError(f"--data={cfg.data}: cannot build the demo corpus there ({e})") from None
     all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus

@@ -346,3 +346,20 @@ def compared(comparison):
     """The differences of a comparison that carry a verdict."""
     return [row["difference"] for t in comparison["tasks"].values() for row in t["arms"].values()
             if "difference" in row and not row["difference"]["verdict"].startswith("no verdict")]
+
+
+def table(files, kind_of, reference=None):
+    """`eval.py table`: print and return the comparison of results files of `eval.py finetune`, each file an arm,
+    or several separated by commas, the replicates of one arm (replicate r of each arm paired); the first arm is the
+    reference unless --reference names another. An arm is named by its first file. kind_of: eval.py's task_kind."""
+    if len(set(map(str, files))) < len(files):
+        raise InputError(f"a results file is given twice: {list(map(str, files))}")
+    arms = {}
+    for f in files:
+        runs = str(f).split(",")
+        name = Path(runs[0]).stem if Path(runs[0]).stem not in arms else runs[0]
+        arms[name] = {"-": runs}
+    from machinery.report import finetune_markdown  # rendering: report.py imports this file
+    text = finetune_markdown(compare(arms, kind_of, reference))
+    print(text, end="")
+    return text

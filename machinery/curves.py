@@ -222,12 +222,16 @@ PANELS = (("val", "val_mlm", "validation MLM loss"), ("val", "val_clm", "validat
 def draw_runs(run_dirs, out_png, names=None, figsize=(10, 9), dpi=100):
     """Several runs on shared axes: validation MLM, validation CLM and train loss against tokens, one colour per
     run in every panel (line styles change after 10 runs). Returns out_png, or None without matplotlib."""
+    for folder in run_dirs:
+        if not os.path.isfile(os.path.join(folder, "log.jsonl")):
+            raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
+    if names is not None and len(names) != len(run_dirs):
+        raise InputError(f"--names gives {len(names)} names for {len(run_dirs)} runs")
+    check_outputs("--out", [out_png], [os.path.join(folder, "log.jsonl") for folder in run_dirs])
     if not names:
         names = [run_name(d) for d in run_dirs]
         if len(set(names)) < len(names):  # out/a/clm and out/b/clm: the paths tell them apart
             names = [os.path.normpath(d) for d in run_dirs]
-    if len(names) != len(run_dirs):
-        raise ValueError(f"{len(names)} names for {len(run_dirs)} runs")
     fig = new_figure(figsize, dpi, layout="constrained")  # room for the legend beside the panels
     if fig is None:
         return None

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from machinery import compare, needle
 from machinery.cli import Parser, pick_threads, positive_int
 
 
@@ -102,7 +103,7 @@ def parser(ev):
 
     cka_flags(command(ev.cka, [model], "per-layer linear CKA of two models against seed controls"))
     finetune_flags(command(ev.finetune, [model], "fine-tune on task folders, several seeds"), ev.NER_MODES)
-    t = command(ev.table, [], "fine-tuned arms compared, with intervals, baselines and verdicts")
+    t = command(compare.table, [], "fine-tuned arms compared, with intervals, power, baselines and verdicts")
     t.add_argument("files", nargs="+", help="results files of `finetune`, one per arm, or an arm's "
                    "replicates separated by commas; the first arm is the reference")
     t.add_argument("--reference", help="the arm the others are compared with, by "
@@ -113,7 +114,7 @@ def parser(ev):
     m.add_argument("--n_sequences", type=positive_int, help="validation windows read")
     m.add_argument("--seq_len", type=positive_int, help="tokens per window")
     m.add_argument("--batch_size", type=positive_int, help="windows per forward pass")
-    needle_flags(command(ev.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
+    needle_flags(command(needle.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
     k = command(ev.curves, [], "several runs' loss curves on shared axes")
     k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
     k.add_argument("--out", required=True, help="the PNG to write")
@@ -207,10 +208,17 @@ def format_default(value):
     return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
+# What the lesson hands the machinery's commands, by parameter name: the model class (the needle) and the
+# task kinds (the comparison of fine-tuned arms).
+HANDED = {"model_class": lambda ev: ev.ModernBERT, "kind_of": lambda ev: ev.kind_of}
+
+
 def main(ev, argv=None):
     """Run the sub-command of eval.py (the module `ev`) that argv names."""
     args = vars(parser(ev).parse_args(argv))
-    command = getattr(ev, args.pop("command"))
+    name = args.pop("command")
+    command = {"table": compare.table, "needle": needle.needle}.get(name) or getattr(ev, name)
+    args.update({k: give(ev) for k, give in HANDED.items() if k in inspect.signature(command).parameters})
     if "threads" in args:
         torch.set_num_threads(pick_threads(args.pop("threads")))
         print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")

@@ -4,6 +4,7 @@ skip this file."""
 import dataclasses
 import math
 import os
+import sys
 
 from machinery.cli import InputError, read_json, write_json
 
@@ -12,9 +13,16 @@ LIMITS = dict(vocab_size=2 ** 22, hidden_size=2 ** 15, intermediate_size=2 ** 17
               num_attention_heads=1024, global_attn_every_n_layers=512, local_attention=2 ** 20,
               max_position_embeddings=2 ** 20)
 MAX_PARAMS = 20e9  # 80 GB of fp32 weights
-# What model.py implements: a config.json that says otherwise describes another model.
-FIXED = dict(hidden_activation="gelu", classifier_activation="gelu", norm_bias=False, attention_bias=False,
-             mlp_bias=False, decoder_bias=True, tie_word_embeddings=True)
+# What model.py implements and its config has no field for: a config.json that says otherwise describes another
+# model. A field of the config class is never fixed here: it is written and read as the model runs it.
+FIXED = dict(classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False, decoder_bias=True,
+             tie_word_embeddings=True)
+# The config.json keys transformers' ModernBertConfig reads (besides FIXED's and those config_to_hf adds): a field
+# of ours outside it is written faithfully, but transformers would load the model without it, not as trained.
+HF_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "hidden_activation", "num_hidden_layers",
+           "num_attention_heads", "global_attn_every_n_layers", "local_attention", "global_rope_theta",
+           "local_rope_theta", "norm_eps", "attention_dropout", "initializer_range", "initializer_cutoff_factor",
+           "max_position_embeddings", "pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id", "layer_types"}
 # transformers 5.x keeps the rotary bases per layer type; 4.x (and our config) as two fields.
 ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
 
@@ -56,14 +64,13 @@ def check_config(c):
 # config.json
 
 
-def read_config(config_file):
-    """A checkpoint's config.json as a ModernBERTConfig; InputError naming the file and the field if it is
-    not one we can run."""
-    from model import ModernBERTConfig  # model.py imports this file: take the class when called
-    names = [f.name for f in dataclasses.fields(ModernBERTConfig)]
+def read_config(config_file, config_class):
+    """A checkpoint's config.json as a config_class (model.py's ModernBERTConfig); InputError naming the file
+    and the field if it is not one we can run."""
+    names = [f.name for f in dataclasses.fields(config_class)]
     fields = config_fields(read_json(config_file, "a ModernBERT config.json"), config_file, names)
     try:
-        return ModernBERTConfig(**fields)
+        return config_class(**fields)
     except (ValueError, TypeError) as e:
         raise InputError(f"{config_file}: {e}") from None
 
@@ -75,7 +82,7 @@ def config_fields(d, source, names):
     if d.get("model_type") != "modernbert":
         raise InputError(f"{source}: model_type is {d.get('model_type')!r}, expected 'modernbert'")
     for key, want in FIXED.items():
-        if key in d and d[key] != want:
+        if key in d and d[key] != want and key not in names:
             raise InputError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
     fields = {name: d[name] for name in names if d.get(name) is not None}
     rope = d.get("rope_parameters") or {}
@@ -88,11 +95,19 @@ def config_fields(d, source, names):
 
 
 def config_to_hf(c):
-    """config.json's contents in both key spellings, keys sorted as transformers writes them."""
+    """config.json's contents in both key spellings, keys sorted as transformers writes them. Every field of the
+    config is written as it is (what is saved is what runs); one transformers does not read is written too, with
+    a warning that transformers will not load the model as trained."""
     rope = {kind: {"rope_theta": getattr(c, name), "rope_type": "default"} for kind, name in ROPE_FIELDS.items()}
-    d = dict(dataclasses.asdict(c), **FIXED, layer_types=list(c.layer_types), model_type="modernbert",
-             architectures=["ModernBertForMaskedLM"], bos_token_id=c.cls_token_id, eos_token_id=c.sep_token_id,
-             rope_parameters=rope)
+    fields = dataclasses.asdict(c)
+    foreign = sorted(set(fields) - HF_KEYS)
+    if foreign:
+        print(f"warning: config field(s) {', '.join(foreign)} written to config.json, but transformers' "
+              f"ModernBertConfig does not read them: transformers would load this model without them, not as "
+              f"trained (model.py reads them back)", file=sys.stderr)
+    d = {**FIXED, **fields, "layer_types": list(c.layer_types), "model_type": "modernbert",
+         "architectures": ["ModernBertForMaskedLM"], "bos_token_id": c.cls_token_id, "eos_token_id": c.sep_token_id,
+         "rope_parameters": rope}
     return dict(sorted(d.items()))
 
 

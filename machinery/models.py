@@ -7,13 +7,14 @@ import torch
 
 from machinery.cli import InputError, read_json, sha256_file
 from machinery.hf import read_config, resolve_checkpoint
+from machinery.tokenfiles import load_meta, split_tokens
 from machinery.tokenizer import load_tokenizer
 
 
-def inspect_model(path):
+def inspect_model(path, model_class):
     """What is known of a model before its weights are loaded: its local folder (a hub id is
     fetched), its config, and the SHA-256 of its weights (which keys saved results and tells two
-    models apart)."""
+    models apart). model_class: model.py's ModernBERT (its config_class reads config.json)."""
     text = str(path)
     if not Path(text).is_dir() and (text.startswith((".", "/", "~")) or Path(text).parent.is_dir()):
         raise InputError(f"{text}: no such model directory")  # a local path, not a hub id
@@ -21,7 +22,8 @@ def inspect_model(path):
     if not (folder / "model.safetensors").is_file():
         raise InputError(f"{text}: no model.safetensors there (a model folder holds config.json "
                          f"and model.safetensors)")
-    return {"path": text, "dir": folder, "config": read_config(folder / "config.json"),
+    return {"path": text, "dir": folder, "class": model_class,
+            "config": read_config(folder / "config.json", model_class.config_class),
             "sha256": sha256_file(folder / "model.safetensors")}
 
 
@@ -64,8 +66,7 @@ def model_tokenizer(info, spec=None):
 def load_weights(info, device):
     """The model of inspect_model's `info`, in eval mode on device; refused when a weight is NaN
     or inf (a diverged run: every score computed from it would be nonsense)."""
-    from model import ModernBERT  # model.py imports the machinery: take the class when called
-    model = ModernBERT(info["config"])
+    model = info["class"](info["config"])
     model.load_weights(str(info["dir"] / "model.safetensors"))
     bad = next((k for k, p in model.state_dict().items() if not torch.isfinite(p).all()), None)
     if bad:
@@ -74,16 +75,29 @@ def load_weights(info, device):
     return model.to(device).eval()
 
 
+def check_validation_data(data, info, n_sequences, seq_len):
+    """A data.py folder whose val.bin the model of `info` can be validated on: its tokenizer's mask id and
+    vocabulary, and at least n_sequences windows of seq_len."""
+    meta, c = load_meta(data), info["config"]
+    if meta["mask_id"] != c.mask_token_id or meta["vocab_size"] > c.vocab_size:
+        raise InputError(f"{data}: tokenized with mask id {meta['mask_id']} and vocab {meta['vocab_size']}, but "
+                         f"{info['path']} has mask id {c.mask_token_id} and vocab {c.vocab_size}")
+    available = split_tokens(data, meta, "val") // seq_len
+    if n_sequences > available:
+        raise InputError(f"{data}/val.bin holds {available} windows of {seq_len} tokens; --n_sequences={n_sequences} "
+                         f"asks for more")
+
+
 def as_list(models):
     """A model, or a list of replicates given as a list or as paths separated by commas."""
     return list(models) if isinstance(models, (list, tuple)) else str(models).split(",")
 
 
-def distinct_models(paths, same_ok=()):
+def distinct_models(paths, model_class, same_ok=()):
     """inspect_model of each path, refused when they differ in depth, or when one is a model named
     before it (same folder or same weights), but for the pair of indices `same_ok`: a control or a
     replicate must be another run."""
-    infos = [inspect_model(p) for p in paths]
+    infos = [inspect_model(p, model_class) for p in paths]
     depths = {info["path"]: info["config"].num_hidden_layers for info in infos}
     if len(set(depths.values())) > 1:
         raise InputError(f"models have different numbers of layers: {depths}")

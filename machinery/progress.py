@@ -199,7 +199,9 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
     val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
     print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.phase_step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
-          f"CLM {val.get('val_clm', float('nan')):.4f}\n"
+          f"CLM {val.get('val_clm', float('nan')):.4f}"
+          + (f" (before its first step: MLM {start['val_mlm']:.4f}, CLM {start['val_clm']:.4f})"
+             if start and start is not val else "") + "\n"
           f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
           f"README.md)\n"
           f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"

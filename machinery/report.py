@@ -62,8 +62,8 @@ def cka_markdown(r):
                   f"controls' mean taken as known); {band['rule']}.{note}"]
     if r.get("trend"):
         tr = r["trend"]
-        lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most): the ratio's least-squares "
-                      f"slope against the block index, {tr['slope']:+.3f} per block "
+        lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most): the ratio's "
+                      f"least-squares slope against the block index, {tr['slope']:+.3f} per block "
                       f"{span(tr['low'], tr['high'], '+.3f')} (95% interval over the {m} replicates' slopes: "
                       f"{', '.join(f'{x:+.3f}' for x in tr['each'])}): **{tr['verdict']}**."]
     return "\n".join(lines) + "\n"
@@ -152,8 +152,8 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                   + (f", test accuracy {points(base['test']['accuracy'])}" if "accuracy" in base["test"] else "")
                   + ")", ""]
         lines += [f"| arm | {settings} ({'chosen on dev' if chosen else 'fixed'}) | runs | dev {metric} | "
-                  f"informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} (95% interval) "
-                  f"| detectable (80% power) | verdict |", "|---" * 10 + "|"]
+                  f"informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
+                  f"(95% interval) | detectable (80% power) | verdict |", "|---" * 10 + "|"]
         for arm, row in t["arms"].items():
             test, d, info = row["test"], row.get("difference"), row["informative"]
             lines.append(f"| {name(arm)} | {row['setting']} | {row['runs']} | {100 * row['dev'][row['setting']]:.2f} | "
@@ -349,8 +349,8 @@ def loss_tables(rep, spec):
              f"t interval; differences paired replicate by replicate (lower is better), with the difference each "
              f"would detect with 80% power (t test over the {R} replicates).", ""]
     for title, table in rep["losses"].items():
-        lines += [f"**{title}**", "", "| model | runs | MLM loss (95% interval) | minus reference | detectable | verdict "
-                  "| CLM loss (95% interval) | minus reference | detectable | verdict |", "|---" * 10 + "|"]
+        lines += [f"**{title}**", "", "| model | runs | MLM loss (95% interval) | minus reference | detectable | "
+                  "verdict | CLM loss (95% interval) | minus reference | detectable | verdict |", "|---" * 10 + "|"]
         for m, row in table.items():
             cells = []
             for key in ("val_mlm", "val_clm"):

@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from machinery.cli import InputError, read_json, save, sha256_file
 
 SPLITS = ("train", "dev", "test")
@@ -157,6 +159,63 @@ def label_sets(examples, files, multi):
                     where, count = unseen.get(label, (f"{files[split]}:{line}", 0))
                     unseen[label] = (where, count + 1)
     return sorted(known), unseen
+
+
+def subset(examples, n):
+    """n examples drawn with a fixed seed (the same for every run seed); all when n is None."""
+    if n is None or n >= len(examples):
+        return examples
+    drawn = np.random.default_rng(0).choice(len(examples), n, replace=False)
+    return [examples[i] for i in np.sort(drawn)]
+
+
+def carve_dev(task, dev_min):
+    """(train, dev, how): a dev set smaller than dev_min is topped up to dev_min with examples drawn
+    from train (a fixed draw; they leave train), so that choices and the informative rule rest on
+    enough examples. 50 dev examples move a score by 1/50 per example."""
+    train, own = task["train"], task["dev"]
+    carved = max(0, dev_min - len(own))
+    if carved >= len(train):
+        raise InputError(f"{task['name']}: --dev_min={dev_min} would move {carved} examples from "
+                         f"train to dev, but train holds {len(train)} (at most {len(train) - 1} can "
+                         f"move; dev holds {len(own)})")
+    drawn = set(np.random.default_rng(0).choice(len(train), carved, replace=False).tolist())
+    moved = [{**ex, "from": "train"} for i, ex in enumerate(train) if i in drawn]
+    return ([ex for i, ex in enumerate(train) if i not in drawn], own + moved,
+            {"own": len(own), "carved_from_train": carved, "dev_min": dev_min})
+
+
+def read_tasks(folders, seeds):
+    """The task folders read and checked (read_task), with distinct names, for distinct seeds."""
+    tasks = [read_task(t) for t in folders]
+    names = [t["name"] for t in tasks]
+    if len(set(names)) < len(names):
+        raise InputError(f"task folders must have distinct names, got {names}")
+    if len(set(seeds)) < len(seeds):
+        raise InputError(f"seeds must be distinct (a seed run twice counts twice): {list(seeds)}")
+    return tasks
+
+
+def read_texts(path, n):
+    """The texts of a JSONL of held-out texts, refused when fewer than n, or fewer than 3 distinct (CKA of 2 texts
+    is 1 whatever the models)."""
+    pool = [ex["text"] for ex in read_jsonl(path, labelled=False)]
+    if n > len(pool):
+        raise InputError(f"{path}: {len(pool)} texts, fewer than the n={n} to draw")
+    if n < 3 or len(set(pool)) < 3:
+        raise InputError(f"{path}: {len(set(pool))} distinct texts, n={n}; CKA needs at least 3 "
+                         f"(of 2 texts it is 1 whatever the models)")
+    return pool
+
+
+def seed_folder(out):
+    """OUT.seeds/ beside a results file, created now: a folder that cannot be written is found before training."""
+    folder = Path(out).with_suffix(".seeds")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{folder}: cannot create it ({e.strerror or e})") from None
+    return folder
 
 
 def is_number(x):

@@ -71,8 +71,9 @@ def made_up_texts(path, count, shortest, longest):
 def demo_corpus(tmp_path_factory):
     """The embedded demo corpus (stdlib docstrings, its own small BPE), prepared once per test session."""
     import data
+    from machinery import datacli
     out = tmp_path_factory.mktemp("data") / "demo"
-    data.prepare_demo(str(out))
+    datacli.prepare_demo(data.prepare, str(out))
     return str(out)
 
 

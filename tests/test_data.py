@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import data
+from machinery import datacli
+from machinery import prepare as prepare_io
 from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, children, need, tiny_model
 from machinery import prepare as prep
 from machinery import tokenizer as tok
@@ -238,13 +240,13 @@ def recount_merges(texts, n_merges):
 
 def test_learned_merges_equal_the_recount(tmp_path):
     texts = [words(random.Random(8), 200) for _ in range(5)]
-    counts = tok.word_counts(data.read_documents(write_jsonl(tmp_path / "c.jsonl", texts)))
+    counts = tok.word_counts(prepare_io.read_documents(write_jsonl(tmp_path / "c.jsonl", texts)))
     assert tok.learn_merges(counts, 150)[1] == recount_merges(texts, 150)
 
 
 def test_learned_tokenizer_stops_when_the_corpus_runs_out(tmp_path, capsys):
     texts = ["abab cd", "abab"]
-    tok = data.train_tokenizer([write_jsonl(tmp_path / "c.jsonl", texts)], 1000, tmp_path / "t.json")
+    tok = datacli.train_tokenizer([write_jsonl(tmp_path / "c.jsonl", texts)], 1000, tmp_path / "t.json")
     merges = recount_merges(texts, 1000)
     assert len(merges) == 4 and tok.vocab_size == 256 + 4 + 4 and tok.mask_id == 263  # ab, abab, " c", " cd"
     assert tok.encode("abab cd") == [257, 259] and "allows only 4 merges" in capsys.readouterr().err
@@ -275,9 +277,9 @@ def test_learned_tokenizer_parity_with_hf(learned):
 
 def test_learned_tokenizer_is_deterministic(learned, tmp_path):
     path, corpus = learned
-    data.train_tokenizer([corpus], 600, tmp_path / "again.json")
+    datacli.train_tokenizer([corpus], 600, tmp_path / "again.json")
     assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
-    data.train_tokenizer([corpus], 500, tmp_path / "smaller.json")
+    datacli.train_tokenizer([corpus], 500, tmp_path / "smaller.json")
     small, big = json.loads((tmp_path / "smaller.json").read_text()), json.loads(path.read_text())
     assert small["model"]["merges"] == big["model"]["merges"][:500 - 260]  # a prefix: the order is by count
 
@@ -761,7 +763,7 @@ def test_a_killed_prepare_leaves_no_folder_that_looks_prepared_and_is_cleaned_up
 def test_write_file_uses_a_name_of_its_own(tmp_path, monkeypatch):
     names, original = [], os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: names.append(Path(src).name) or original(src, dst))
-    data.write_file(tmp_path / "tok.json", "{}")
+    prepare_io.write_file(tmp_path / "tok.json", "{}")
     assert re.fullmatch(rf"\.tok\.json\.tmp-{os.getpid()}-[0-9a-f]{{8}}", names[0])
     assert sorted(os.listdir(tmp_path)) == ["tok.json"]
 
@@ -774,7 +776,7 @@ def test_demo_subprocess(tmp_path, demo_corpus):
     assert proc.returncode == 0, proc.stderr
     demo = tmp_path / "data" / "demo"
     meta = data.load_meta(demo)
-    assert meta["tokenizer"] == str((demo / "tokenizer.json").resolve()) and meta["vocab_size"] == data.DEMO_VOCAB
+    assert meta["tokenizer"] == str((demo / "tokenizer.json").resolve()) and meta["vocab_size"] == datacli.DEMO_VOCAB
     assert meta["splits"]["train"]["tokens"] > 400_000 and meta["special_ids"] == [2044, 2045, 2046, 2047]
     for name in ("tokenizer.json", "train.bin", "val.bin"):
         assert (demo / name).read_bytes() == (Path(demo_corpus) / name).read_bytes()
@@ -795,12 +797,13 @@ def test_demo_tokenizer_answers_words(demo_corpus):
 
 def test_demo_is_rebuilt_for_another_tokenizer(tmp_path, monkeypatch, capsys):
     """A demo is reused only when it was made with the tokenizer asked for; 'bytes' stays available."""
-    monkeypatch.setattr(data, "DEMO_BYTES", 30_000)  # a few docstrings: seconds
+    monkeypatch.setattr(datacli, "DEMO_BYTES", 30_000)  # a few docstrings: seconds
     demo = tmp_path / "demo"
-    learned = data.prepare_demo(demo, vocab_size=300)
+    learned = datacli.prepare_demo(data.prepare, demo, vocab_size=300)
     assert learned["vocab_size"] == 300 and learned["tokenizer"] == str((demo / "tokenizer.json").resolve())
-    assert data.prepare_demo(demo, vocab_size=300) == learned and "already prepared" in capsys.readouterr().out
-    as_bytes = data.prepare_demo(demo, vocab_size=None)
+    again = datacli.prepare_demo(data.prepare, demo, vocab_size=300)
+    assert again == learned and "already prepared" in capsys.readouterr().out
+    as_bytes = datacli.prepare_demo(data.prepare, demo, vocab_size=None)
     assert (as_bytes["tokenizer"], as_bytes["vocab_size"]) == ("bytes", 260)
     assert "building it again" in capsys.readouterr().out
     assert as_bytes["splits"]["train"]["tokens"] > 1.2 * learned["splits"]["train"]["tokens"]  # a token a byte

@@ -14,6 +14,7 @@ import torch
 from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, made_up_texts, need, tiny_model
 
 import eval as ev
+from machinery import compare, metrics
 from data import count_windows, load_tokenizer, prepare, val_batches
 from machinery.cli import InputError, run
 from machinery.tasks import read_task
@@ -262,7 +263,7 @@ def test_label_f1_matches_sklearn():
     for _ in range(20):  # "e" is never predicted, "f" never true
         true = list(rng.choice(list("abcde"), size=30, p=[0.4, 0.3, 0.15, 0.1, 0.05]))
         pred = list(rng.choice(list("abcf"), size=30))
-        got = ev.label_f1(true, pred)
+        got = metrics.label_f1(true, pred)
         for average in ("macro", "micro"):
             assert got[f"{average}_f1"] == pytest.approx(f1_score(true, pred, average=average, zero_division=0),
                                                          abs=1e-12)
@@ -276,7 +277,7 @@ def test_multilabel_f1_matches_sklearn():
         true[:, 5] = pred[:, 5] = False  # a label nobody has or predicts: 0 for that column (zero_division=0)
         pred[:, 4] = False  # a label never predicted
         true[:3] = False  # examples with an empty label list
-        got = ev.f1_scores(true, pred)
+        got = metrics.f1_scores(true, pred)
         for average in ("macro", "micro"):
             assert got[f"{average}_f1"] == pytest.approx(f1_score(true, pred, average=average, zero_division=0),
                                                          abs=1e-12)
@@ -287,7 +288,7 @@ def test_entities_and_entity_f1_match_seqeval():
     from seqeval.metrics.sequence_labeling import get_entities
     # ill-formed on purpose: I- after O, a type switch inside an entity, B- then I- of another type
     tricky = ["I-X", "I-X", "O", "B-X", "I-Y", "I-Y", "B-Y", "B-Y", "I-X", "O", "I-Y"]
-    assert ev.entities(tricky) == get_entities(tricky)
+    assert metrics.entities(tricky) == get_entities(tricky)
     rng = np.random.default_rng(2)
     tags = ["O", "O", "O", "B-X", "I-X", "B-Y", "I-Y"]
     for _ in range(30):
@@ -295,9 +296,9 @@ def test_entities_and_entity_f1_match_seqeval():
         true = [list(rng.choice(tags, size=n)) for n in lengths]
         pred = [list(rng.choice(tags, size=n)) for n in lengths]
         for sentence in true:
-            assert ev.entities(sentence) == get_entities(sentence)
-        assert ev.entity_f1(true, pred) == pytest.approx(f1_score(true, pred), abs=1e-12)
-    assert ev.entity_f1([["O", "O"]], [["O", "O"]]) == 0.0  # no entities anywhere: seqeval says 0 too
+            assert metrics.entities(sentence) == get_entities(sentence)
+        assert metrics.entity_f1(true, pred) == pytest.approx(f1_score(true, pred), abs=1e-12)
+    assert metrics.entity_f1([["O", "O"]], [["O", "O"]]) == 0.0  # no entities anywhere: seqeval says 0 too
 
 
 def test_strict_iob2_entities_match_seqeval_strict_mode():
@@ -310,9 +311,9 @@ def test_strict_iob2_entities_match_seqeval_strict_mode():
         true = [list(rng.choice(tags, size=n)) for n in lengths]
         pred = [list(rng.choice(tags, size=n)) for n in lengths]
         want = f1_score(true, pred, mode="strict", scheme=IOB2)
-        assert ev.entity_f1(true, pred, strict=True) == pytest.approx(want, abs=1e-12)
+        assert metrics.entity_f1(true, pred, strict=True) == pytest.approx(want, abs=1e-12)
         assert ev.NER_MODES["strict"].score(true, pred, None)["entity_f1"] == pytest.approx(want, abs=1e-12)
-    assert ev.entities(["I-X", "I-X", "O", "B-X", "I-X"], strict=True) == [("X", 3, 4)]  # the I-s start nothing
+    assert metrics.entities(["I-X", "I-X", "O", "B-X", "I-X"], strict=True) == [("X", 3, 4)]  # the I-s start nothing
 
 
 def test_every_kind_scores_as_its_oracles(tmp_path):
@@ -416,7 +417,7 @@ def test_finetune_sequence_tasks(modernbert_model, tmp_path, capsys):
             assert r[name]["std"][metric] == pytest.approx(np.std(values, ddof=1))
     copy = tmp_path / "again.json"
     copy.write_text(out.read_text())
-    text = ev.table([out, copy])
+    text = compare.table([out, copy], ev.kind_of)
     assert "**chemprot** (macro_f1" in text and "**pubmedqa** (macro_f1" in text
     assert text.count("| +0.00 [+0.00, +0.00] |") == 2  # the same predictions: no difference at all
     assert "One pretraining run per arm" in text
@@ -489,7 +490,7 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     # a second model on seeds 2 and 3: compared on the seed both ran
     ev.finetune(byte_models[1], [task], seeds=(2, 3), out=tmp_path / "b.json", **kw)
     b = json.loads((tmp_path / "b.json").read_text())["tasks"]["animals"]
-    d = ev.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}}, ev.task_kind)
+    d = compare.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}}, ev.kind_of)
     d = d["tasks"]["animals"]
     expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
     assert d["seeds"] == ["2"] and d["arms"]["b"]["difference"]["mean"] == pytest.approx(expected)

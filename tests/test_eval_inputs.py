@@ -239,17 +239,27 @@ def test_bad_input_from_the_shell_has_no_traceback(inputs):
     assert shell.stderr.startswith("error: ") and shell.stderr.count("\n") == 1
 
 
-def test_every_flag_has_a_meaning_and_a_default_in_help():
+def test_every_flag_has_a_meaning_and_its_functions_default_in_help():
+    """A flag left out takes the function's own default (one place to change it), and --help shows that one."""
+    import inspect
+
+    from machinery import compare, needle
     from machinery.evalcli import parser
     commands = next(a for a in parser(ev)._actions if a.dest == "command").choices
     assert set(commands) == {"cka", "finetune", "table", "mlm", "curves", "needle"}
+    functions = {"table": compare.table, "needle": needle.needle}
     for name, sub in commands.items():
         text = " ".join(sub.format_help().split())  # argparse wraps lines
+        function = functions.get(name) or getattr(ev, name)
+        defaults = {k: p.default for k, p in inspect.signature(function).parameters.items()}
         for action in sub._actions:
             assert action.help and len(action.help) > 10, (name, action.dest)
-            if action.option_strings and action.dest != "help" and action.default not in (None, False, []):
-                shown = ",".join(map(str, action.default)) if isinstance(action.default, tuple) else action.default
+            default = defaults.get(action.dest)
+            if action.option_strings and action.dest != "help" and default not in (None, False, (), [], inspect._empty):
+                shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
                 assert f"(default: {shown})" in text, (name, action.dest)  # None, off, none: the meaning says
+    args = vars(parser(ev).parse_args(["finetune", "m", "--task=t"]))  # left out: absent, the function decides
+    assert set(args) == {"command", "model", "tasks", "threads"}
     finetune = " ".join(commands["finetune"].format_help().split())
     assert "--lr LR AdamW peak learning rate (default: 5e-05)" in finetune
     assert "--seeds SEEDS fine-tuning seeds" in finetune and "--max_len MAX_LEN tokens per text" in finetune
@@ -326,7 +336,7 @@ def test_every_kind_warns_once_and_scores_a_label_train_lacks(inputs, tmp_path, 
     assert len(warnings) == 2 and all(f"label {label!r} occurs in" in w for label, w in zip(unseen, warnings))
     assert "and 1 more place(s)" in warnings[0] and r["kind"] == kind
     saved, = (tmp_path / "r.seeds").glob(f"{kind}-seed1-*.json")
-    predictions = json.loads(saved.read_text())["predictions"]
+    predictions = json.loads(saved.read_text())["predictions"]["test"]
     gold, pred = [p["gold"] for p in predictions], [p["pred"] for p in predictions]
     test = r["seeds"]["1"]["test"]
     if kind == "multi":

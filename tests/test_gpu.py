@@ -34,7 +34,7 @@ import data
 import train
 from conftest import BYTE_IDS, ROOT, children, tiny_model, torch_adamw_oracle
 from machinery.cli import autocast
-from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig, read_config
+from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig
 from test_backends import LAYOUTS, attend, attention_case, largest_difference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -260,7 +260,7 @@ def test_trainer_trains_clm_on_the_gpu_under_torchrun(clm_run):
         assert all(r["mfu"] is None for r in records)
         return
     with torch.device("meta"):  # CLM predicts every token: mask_rate 1
-        flops = ModernBERT(read_config(str(out / "config.json"))).flops_per_token(128, causal=True, mask_rate=1.0)
+        flops = ModernBERT(ModernBERTConfig.read(str(out / "config.json"))).flops_per_token(128, causal=True, mask_rate=1.0)
     for r in records:  # the log rounds mfu to 4 decimals and tokens/s to an integer
         assert abs(r["mfu"] - flops * r["tokens_per_s"] / peak) <= 5e-5 + 0.01 * r["mfu"], r
 

@@ -60,6 +60,38 @@ def test_logits_match_transformers(tmp_path, shape):
     assert (got - want)[real].abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_an_edited_activation_is_saved_as_it_runs(tmp_path, activation, capsys):
+    """A student's GLU variant through the config field transformers names (hidden_activation): config.json holds
+    it, our model reloads equal to the trained one, and transformers runs it alike (ReGLU, SwiGLU). A field
+    transformers cannot read is written faithfully, with a warning that transformers would not load it as
+    trained, and read back by model.py."""
+    import dataclasses
+    config = ModernBERTConfig.from_preset("tiny", vocab_size=300, pad_token_id=3, cls_token_id=1, sep_token_id=2,
+                                          mask_token_id=4, hidden_activation=activation)
+    torch.manual_seed(0)
+    trained = ModernBERT(config).eval()
+    trained.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_activation"] == activation
+    ids, mask = padded_batch(300)
+    with torch.no_grad():
+        want = trained(ids, mask)[0]
+        again = ModernBERT.from_pretrained(str(tmp_path)).eval()
+        assert again.config.hidden_activation == activation and torch.equal(again(ids, mask)[0], want)
+        hf = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+        assert (hf(input_ids=ids, attention_mask=mask).logits - want)[mask.bool()].abs().max().item() <= 1e-4
+    assert "warning" not in capsys.readouterr().err
+    Extended = dataclasses.make_dataclass("Extended", [("mlp_scale", float, 1.0)], bases=(ModernBERTConfig,))
+    extended = Extended(**{**dataclasses.asdict(config), "mlp_scale": 2.0})
+    from machinery.hf import read_config, write_checkpoint
+    write_checkpoint(tmp_path / "x", trained.state_dict(), extended)
+    assert "mlp_scale written to config.json, but transformers' ModernBertConfig does not read" in \
+        capsys.readouterr().err
+    assert read_config(tmp_path / "x" / "config.json", Extended).mlp_scale == 2.0
+    with pytest.raises(InputError, match="hidden_activation='reglu': expected one of"):
+        config.replace(hidden_activation="reglu")
+
+
 def test_loss_matches_transformers_with_sparse_prediction(tmp_path):
     hf = hf_checkpoint(tmp_path, SHAPES[0])
     ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
@@ -336,6 +368,28 @@ def test_linear_cross_entropy_matches_pytorch():
         assert (a - r).abs().max().item() < 1e-12
     with torch.no_grad():  # no gradient work without grad mode, same value
         assert abs(linear_cross_entropy(h, w, b, y).item() - ref.item()) < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fused_loss_equals_the_plain_one_on_the_page(causal):
+    """model.py's cross_entropy (the loss a reader sees) and the fused kernel the model trains with: the same loss
+    and the same gradient on every parameter, MLM and CLM, in float64; no labelled position gives 0 for both."""
+    torch.manual_seed(0)
+    plain = tiny_model(seed=3).double()
+    fused = tiny_model(seed=3).double()
+    plain.loss = "plain"
+    ids = torch.randint(0, 256, (2, 40))
+    labels = torch.where(torch.rand(2, 40) < 0.3, ids, IGNORE_INDEX) if not causal else ids.roll(-1, 1)
+    losses = []
+    for model in (plain, fused):
+        _, loss = model(ids, labels=labels, causal=causal)
+        loss.backward()
+        losses.append(loss)
+    assert losses[0].item() == pytest.approx(losses[1].item(), abs=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < 1e-12, name
+    none = torch.full_like(labels, IGNORE_INDEX)
+    assert plain(ids, labels=none)[1].item() == fused(ids, labels=none)[1].item() == 0.0
 
 
 def test_training_gradients_match_transformers(tmp_path):

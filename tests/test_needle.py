@@ -12,12 +12,14 @@ import torch.nn.functional as F
 
 from conftest import BYTE_IDS, ROOT, made_up_texts, tiny_model
 
-import eval as ev
+from machinery import needle as nd
+from machinery.compare import interval
+from model import ModernBERT
 from machinery.cli import InputError
 from machinery.tokenizer import load_tokenizer
 
 TOK = load_tokenizer("bytes")
-PREFIX = TOK.encode(ev.NEEDLE[0])
+PREFIX = TOK.encode(nd.NEEDLE[0])
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +61,9 @@ class Told(torch.nn.Module):
 
 def test_a_model_told_the_answer_scores_every_example_and_none_without_the_needle(models, texts, tmp_path,
                                                                                  monkeypatch):
-    monkeypatch.setattr(ev, "load_weights", lambda info, device: Told())
-    r = ev.needle([",".join(map(str, models))], texts, names=["told"], lengths=(64, 160), depths=(0, 50, 100),
-                  n=6, out=tmp_path / "told.json", device="cpu")
+    monkeypatch.setattr(nd, "load_weights", lambda info, device: Told())
+    r = nd.needle([",".join(map(str, models))], texts, ModernBERT, names=["told"], lengths=(64, 160),
+                  depths=(0, 50, 100), n=6, out=tmp_path / "told.json", device="cpu")
     arm = r["arms"]["told"]
     assert r["columns"] == ["0", "50", "100", "no needle", "next to the query"] and len(arm["replicates"]) == 2
     for length in ("64", "160"):
@@ -70,13 +72,13 @@ def test_a_model_told_the_answer_scores_every_example_and_none_without_the_needl
             for cell in [arm["mean"][length][column], *(rep["cells"][length][column] for rep in arm["replicates"])]:
                 assert (cell["exact"], cell["token"]) == (expected, expected), (length, column)
         cell = arm["replicates"][0]["cells"][length]["0"]
-        assert (cell["exact_low"], cell["exact_high"]) == pytest.approx(ev.wilson(6, 6))
+        assert (cell["exact_low"], cell["exact_high"]) == pytest.approx(nd.wilson(6, 6))
         assert 0.5 < cell["exact_low"] < cell["exact_high"] == 1  # 6 of 6: the interval is not empty at the edge
     assert json.loads((tmp_path / "told.json").read_text())["arms"]["told"]["mean"] == arm["mean"]
 
 
 def test_examples_have_the_requested_lengths_and_the_needle_where_its_depth_says(texts):
-    examples = ev.needle_examples(TOK, pool(texts), (64, 100), (0, 25, 100), n=3, seed=0)
+    examples = nd.needle_examples(TOK, pool(texts), (64, 100), (0, 25, 100), n=3, seed=0)
     assert len(examples) == 2 * 3 * (3 + 2)
     for ex in examples:
         ids, at, m = ex["ids"], ex["needle_at"], ex["masked"]
@@ -107,9 +109,9 @@ def test_examples_have_the_requested_lengths_and_the_needle_where_its_depth_says
 
 
 def test_the_same_seed_gives_the_same_examples_and_another_seed_others(texts):
-    a, b = (ev.needle_examples(TOK, pool(texts), (64, 128), (0, 50), n=5, seed=s) for s in (3, 3))
+    a, b = (nd.needle_examples(TOK, pool(texts), (64, 128), (0, 50), n=5, seed=s) for s in (3, 3))
     assert a == b
-    other = ev.needle_examples(TOK, pool(texts), (64, 128), (0, 50), n=5, seed=4)
+    other = nd.needle_examples(TOK, pool(texts), (64, 128), (0, 50), n=5, seed=4)
     assert {ex["value"] for ex in other}.isdisjoint({ex["value"] for ex in a})
     assert [ex["ids"] for ex in other] != [ex["ids"] for ex in a]
 
@@ -118,7 +120,7 @@ def test_shuffled_haystack_texts_change_the_haystack_alone(texts):
     """The texts in another order: other haystack tokens, but the same values, lengths, positions and masks."""
     texts_ = pool(texts)
     shuffled = [texts_[i] for i in np.random.default_rng(1).permutation(len(texts_))]
-    a, b = (ev.needle_examples(TOK, t, (64, 128), (0, 50, 100), n=4, seed=0) for t in (texts_, shuffled))
+    a, b = (nd.needle_examples(TOK, t, (64, 128), (0, 50, 100), n=4, seed=0) for t in (texts_, shuffled))
     keys = ("length", "column", "index", "value", "needle_at", "answer", "masked")
     assert [{k: ex[k] for k in keys} for ex in a] == [{k: ex[k] for k in keys} for ex in b]
     assert [len(ex["ids"]) for ex in a] == [len(ex["ids"]) for ex in b]
@@ -129,9 +131,9 @@ def test_shuffled_haystack_texts_change_the_haystack_alone(texts):
 
 def test_batches_give_what_one_sequence_at_a_time_gives(texts):
     model = tiny_model(0).eval()
-    examples = ev.needle_examples(TOK, pool(texts), (64, 96), (0, 100), n=3, seed=0)
-    one = ev.fill_masks(model, examples, 1, "cpu")
-    assert ev.fill_masks(model, examples, 10 ** 6, "cpu") == one
+    examples = nd.needle_examples(TOK, pool(texts), (64, 96), (0, 100), n=3, seed=0)
+    one = nd.fill_masks(model, examples, 1, "cpu")
+    assert nd.fill_masks(model, examples, 10 ** 6, "cpu") == one
     assert [len(h) for h in one] == [len(ex["answer"]) for ex in examples]
 
 
@@ -139,40 +141,40 @@ def test_batches_give_what_one_sequence_at_a_time_gives(texts):
 def test_wilson_interval_matches_scipy(k, n):
     stats = pytest.importorskip("scipy.stats")
     ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
-    assert ev.wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    assert nd.wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 
 def test_an_arm_that_misses_everything_is_not_certain_of_zero():
     """Three replicates that each miss all 30 examples: the spread is 0, yet 30 examples bound the rate at the
     Wilson interval of 0 in 30, not at [0, 0]; where replicates differ, the interval is eval.interval's."""
-    zeros = [ev.needle_cell([[0, 0, 0]] * 30) for _ in range(3)]
-    cell = ev.replicates_cell(zeros)
+    zeros = [nd.needle_cell([[0, 0, 0]] * 30) for _ in range(3)]
+    cell = nd.replicates_cell(zeros)
     assert cell["exact"] == 0 and cell["exact_low"] == 0
-    assert cell["exact_high"] == pytest.approx(ev.wilson(0, 30)[1]) and cell["exact_high"] > 0.11
+    assert cell["exact_high"] == pytest.approx(nd.wilson(0, 30)[1]) and cell["exact_high"] > 0.11
     rng = np.random.default_rng(0)
     hits = [[[int(rng.random() < p)] * 2 for _ in range(40)] for p in (0.3, 0.5, 0.6)]
-    cell = ev.replicates_cell([ev.needle_cell(h) for h in hits])
+    cell = nd.replicates_cell([nd.needle_cell(h) for h in hits])
     each = np.array([[all(x) for x in h] for h in hits], np.float64)
-    iv = ev.interval(lambda t: t[..., 0] / t[..., 1], np.stack([each, np.ones_like(each)], -1)[:, None])
+    iv = interval(lambda t: t[..., 0] / t[..., 1], np.stack([each, np.ones_like(each)], -1)[:, None])
     assert cell["exact"] == pytest.approx(each.mean()) and cell["exact_high"] == pytest.approx(min(1, iv["high"]))
-    assert cell["exact_low"] == pytest.approx(max(0, min(iv["low"], ev.wilson(each.mean(0).sum(), 40)[0])))
+    assert cell["exact_low"] == pytest.approx(max(0, min(iv["low"], nd.wilson(each.mean(0).sum(), 40)[0])))
 
 
 def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_path, monkeypatch):
     def loaded(info, device):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(ev, "load_weights", loaded)
+    monkeypatch.setattr(nd, "load_weights", loaded)
     kw = dict(depths=(0, 100), n=2, out=tmp_path / "x.json", device="cpu")
     with pytest.raises(InputError, match=r"--lengths=64,256: 256 is above .*m1's max_position_embeddings 160"):
-        ev.needle([models[0]], texts, lengths=(64, 256), **kw)
+        nd.needle([models[0]], texts, ModernBERT, lengths=(64, 256), **kw)
     few = tmp_path / "few.jsonl"
     few.write_text('{"text": "the cell binds a receptor"}\n' * 3)
     with pytest.raises(InputError, match=r"--texts: 3 texts hold 78 tokens, fewer than the 158 a haystack of 160"):
-        ev.needle([models[0]], few, lengths=(64, 160), **kw)
+        nd.needle([models[0]], few, ModernBERT, lengths=(64, 160), **kw)
     with pytest.raises(InputError, match=r"--lengths: 32 tokens cannot hold \[CLS\], the needle"):
-        ev.needle([models[0]], texts, lengths=(32, 64), **kw)
+        nd.needle([models[0]], texts, ModernBERT, lengths=(32, 64), **kw)
     with pytest.raises(InputError, match="has the same weights as"):
-        ev.needle([f"{models[0]},{models[0]}"], texts, lengths=(64,), **kw)
+        nd.needle([f"{models[0]},{models[0]}"], texts, ModernBERT, lengths=(64,), **kw)
     assert not (tmp_path / "x.json").exists()
 
 

@@ -139,12 +139,17 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     report = json.loads((out / "report.json").read_text())
     assert report["replicates"] == 2
     assert set(report["cka"]) == {"before", "after"}
-    assert all(len(r["layers"]) == 4 and r["replicates"] == 2 and r["controls"]["k"] == 1
-               for r in report["cka"].values())  # two MLM replicates: one seed control, too few for a band
+    assert all(len(r["layers"]) == 4 and r["replicates"] == 2 and r["controls"]["k"] == 2
+               for r in report["cka"].values())  # MLM replicate r against its seed control: two that share no run
+    pairs = report["cka"]["after"]["args"]["control_pairs"]
+    assert pairs[1] == ["OUT/runs/mlm-decay-r2", "OUT/runs/mlm-control-decay-r2"]
+    assert [report["runs"][f"mlm-control-r{r}"]["seed"] for r in (1, 2)] == [117, 118]
+    assert [report["runs"][f"mlm-control-r{r}"]["data_seed"] for r in (1, 2)] == [42, 43]
     final = ["mlm-decay", "clm-decay", "clm-freeze-low-decay", "clm-freeze-mid-decay", "clm-decay-freeze-low"]
     (comparison,) = report["finetune"].values()
-    assert set(comparison) == {"ncbi_disease", "chemprot", "pubmedqa"}
-    for t in comparison.values():
+    assert set(comparison["tasks"]) == {"ncbi_disease", "chemprot", "pubmedqa"} and comparison["left_out"] == {}
+    assert comparison["tasks"]["pubmedqa"]["dev_split"] == {"own": 50, "carved_from_train": 10, "dev_min": 60}
+    for t in comparison["tasks"].values():
         assert list(t["arms"]) == final and t["replicates"] == 2 and t["seeds"] == ["42", "43", "44"]
         assert all(row["runs"] == 6 and row["setting"] == "0.001" for row in t["arms"].values())
     assert list(report["losses"]["the decayed models"]) == final
@@ -159,7 +164,8 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     lines = text.splitlines()
     assert lines[2].startswith("**Smoke scale") and "test the pipeline only" in lines[2]
     assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text and "3 seeds (42, 43, 44)" in text
-    assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "the rule needs at least 2" in text
+    assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "Trend with depth" in text
+    assert "detectable (80% power)" in text and "10 moved from train" in text and "lr 0.001 (fixed, not chosen)" in text
     assert text.count("majority baseline") >= 3 and "Wall time:" in text and "Summed stage time:" in text
     assert report["time"]["wall"] <= report["time"]["summed"] + 1e-6  # stages ran side by side
 
@@ -168,7 +174,7 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
 def test_a_third_invocation_skips_every_finished_stage(detour):
     out, _, _, _, third = detour
     assert "[run]" not in third and "[resume]" not in third
-    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 35
+    assert third.count("[skip]") == len(list((out / "stages").glob("*.json"))) == 39
 
 
 @pytest.mark.slow  # needs the detour's finished smoke run: about a minute
@@ -209,7 +215,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
 def test_the_same_command_dry_run_lists_every_stage_finished(detour):
     out, args, _, _, _ = detour
     text = finished(reproduce(*args, "--dry_run"))
-    assert text.splitlines()[-1] == f"35 stages (35 finished in {out}); inputs checked; nothing was run (--dry_run)"
+    assert text.splitlines()[-1] == f"39 stages (39 finished in {out}); inputs checked; nothing was run (--dry_run)"
 
 
 def test_sigterm_to_the_driver_ends_every_stage(biphasic_stopped):
@@ -264,9 +270,9 @@ def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendi
     out = biphasic[0]
     report = json.loads((out / "report.json").read_text())
     encoders = ["mlm", "clm25-mlm", "clm50-mlm", "clm", "cpt-from-mlm", "cpt-from-clm"]
-    assert [m for c in report["finetune"].values() for m in next(iter(c.values()))["arms"]] == encoders
+    assert [m for c in report["finetune"].values() for m in next(iter(c["tasks"].values()))["arms"]] == encoders
     for comparison in report["finetune"].values():
-        for t in comparison.values():
+        for t in comparison["tasks"].values():
             for row in t["arms"].values():  # the chosen lr is the one with the best mean dev score
                 assert row["setting"] == max(row["dev"], key=row["dev"].get) and row["runs"] == 4
     assert list(report["per_setting"]) == encoders
@@ -298,8 +304,8 @@ def test_an_interrupted_run_gives_the_same_report(which, request, tmp_path):
     assert without_times(report) == without_times(json.loads((out / "report.json").read_text()))
 
 
-@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 46), ("biphasic", "paper", 88),
-                                                 ("detour", "cpu", 50), ("biphasic", "cpu", 71)])
+@pytest.mark.parametrize("study, scale, count", [("detour", "paper", 52), ("biphasic", "paper", 88),
+                                                 ("detour", "cpu", 56), ("biphasic", "cpu", 71)])
 def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale, count):
     need(CORPUS)
     out = tmp_path / "exp"
@@ -322,6 +328,9 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, study, scale,
         assert scale != "paper" or "--init_from=answerdotai/ModernBERT-base" in command["clm-r1"]
         runs = [f"{out / 'runs' / 'mlm-decay'}-r{r}" for r in (1, 2, 3)]
         assert f"cka {','.join(runs)} " in command["cka-after"]  # three replicates: three seed controls
+        controls = [f"--control={out / 'runs' / 'mlm-control-decay'}-r{r}" for r in (1, 2, 3)]
+        assert all(c in command["cka-after"] for c in controls)
+        assert "--seed=119 --data_seed=44" in command["mlm-control-r3"]
         assert sum(name.startswith("finetune-") for name in command) == 15
         return
     step = {"paper": 8192 * 384, "cpu": 256 * 32}[scale]
@@ -400,6 +409,39 @@ def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
     mine = tmp_path / "mine.json"  # a tokenizer file of the user's is an input: its content counts
     mine.write_text("{}")
     assert reproduce.data_stages(mine, [], [corpus], out)[0][0].inputs == [corpus, mine]
+
+
+def test_the_dry_run_says_what_the_plan_can_detect(tmp_path):
+    """From a report's variance components: per task, the difference the plan detects with 80% power; with
+    --detect, the replicates, seeds or test examples that would reach it (checked against machinery/compare.py's
+    own projection). Bad input is one line: --detect of 0 or below, a report without components."""
+    need(CORPUS)
+    sys.path.insert(0, str(ROOT))
+    from machinery.compare import needed, project
+    components = dict(replicates=3, seeds=2, examples=940, replicate_var=2e-4, seed_var=4e-4, example_var=0.05,
+                      seeds_inside=False)
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}
+    source = tmp_path / "report.json"
+    source.write_text(json.dumps(rep))
+    out = tmp_path / "exp"
+    text = finished(reproduce("--scale=cpu", f"--out={out}", "--dry_run", f"--components={source}", "--detect=3"))
+    ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
+    assert f"detects {100 * project(components, 3, 2, 940)['detectable']:.1f} points" in ncbi and "940 test" in ncbi
+    need_ = needed(components, 0.03, 3, 2, 940, 940)
+    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
+    assert need_["replicates"] and f"{need_['replicates']} replicates" in ways
+    assert "chemprot: the source report holds no comparison" in text
+    assert not out.exists()
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"scale": "cpu", "finetune": {}}))
+    for args, message in (([f"--components={source}", "--detect=0"], "--detect: expected a difference in points "
+                                                                       "above 0"),
+                          ([f"--components={source}", "--detect=-1"], "expected a difference in points above 0"),
+                          ([f"--components={bare}"], "no variance components in it"),
+                          ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
+        line, stdout = refused("--scale=cpu", f"--out={out}", "--dry_run", *args)
+        assert message in line, (args, line)
 
 
 # A stage's command in miniature: writes its --out (as eval.py and data.py take it) or a run directory's files.

@@ -222,7 +222,7 @@ def arm(tmp_path, name, settings, R=3, seeds=(1, 2)):
 def test_the_setting_is_chosen_on_dev_and_test_is_read_for_it_alone(tmp_path):
     """Arm 'x' is best on test at lr 2 but best on dev at lr 1: lr 1 is chosen, and its test score is reported."""
     arms = {"ref": arm(tmp_path, "ref", {"1": (0.6, 0.6)}), "x": arm(tmp_path, "x", {"1": (0.9, 0.5), "2": (0.5, 1.0)})}
-    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
+    t = cmp.compare(arms, ev.kind_of)["tasks"]["t"]
     x = t["arms"]["x"]
     assert x["setting"] == "1" and x["dev"]["1"] > x["dev"]["2"]
     scores = [json.loads(f.read_text())["tasks"]["t"]["seeds"] for f in arms["x"]["1"]]
@@ -235,12 +235,12 @@ def test_the_setting_is_chosen_on_dev_and_test_is_read_for_it_alone(tmp_path):
 def test_verdicts_follow_the_interval_and_carry_the_detectable_difference(tmp_path):
     arms = {"ref": arm(tmp_path, "ref", {"-": (0.6, 0.4)}), "good": arm(tmp_path, "good", {"-": (0.9, 0.95)}),
             "same": {"-": arm(tmp_path, "ref", {"-": (0.6, 0.4)})["-"]}}
-    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
+    t = cmp.compare(arms, ev.kind_of)["tasks"]["t"]
     good = t["arms"]["good"]["difference"]
     assert good["low"] > 0 and good["verdict"] == "better" and good["detectable"] > good["half"]
     same = t["arms"]["same"]["difference"]
     assert same["mean"] == 0.0 and same["verdict"] == "no detectable difference"
-    worse = cmp.compare(arms, ev.task_kind, reference="good")["tasks"]["t"]["arms"]["ref"]["difference"]
+    worse = cmp.compare(arms, ev.kind_of, reference="good")["tasks"]["t"]["arms"]["ref"]["difference"]
     assert worse["high"] < 0 and worse["verdict"] == "worse"
     assert cmp.verdict(-0.1, 0.2) == "no detectable difference" and cmp.verdict(0.1, 0.2, "higher") == "higher"
 
@@ -258,7 +258,7 @@ def test_the_informative_rule_reads_dev_and_catches_chance(tmp_path):
             "guess": files("guess", lambda: guess(DEV), lambda: guess(GOLD)),
             "test-only": files("test-only", lambda: guess(DEV), lambda: list(GOLD)),
             "good": arm(tmp_path, "good", {"-": (0.9, 0.9)})}
-    t = cmp.compare(arms, ev.task_kind)["tasks"]["t"]
+    t = cmp.compare(arms, ev.kind_of)["tasks"]["t"]
     rows = t["arms"]
     assert rows["majority"]["informative"]["majority"]["mean"] == 0.0 and not rows["majority"]["informative"]["ok"]
     g = rows["guess"]["informative"]
@@ -267,31 +267,31 @@ def test_the_informative_rule_reads_dev_and_catches_chance(tmp_path):
     assert rows["good"]["informative"]["ok"] and rows["good"]["informative"]["why"] is None
     assert not t["ranked"] and all(row["difference"]["verdict"].startswith("no verdict") for arm_, row in rows.items()
                                    if arm_ != "majority")
-    ranked = cmp.compare(arms, ev.task_kind, reference="good")["tasks"]["t"]
+    ranked = cmp.compare(arms, ev.kind_of, reference="good")["tasks"]["t"]
     assert ranked["ranked"] and ranked["arms"]["majority"]["difference"]["verdict"] == "worse"
 
 
 def test_compare_refuses_unpaired_arms_and_names_what_it_leaves_out(tmp_path):
     arms = {"ref": arm(tmp_path, "ref", {"-": (0.5, 0.5)}, R=3), "x": arm(tmp_path, "x", {"-": (0.5, 0.5)}, R=2)}
     with pytest.raises(InputError, match="different numbers of replicates"):
-        cmp.compare(arms, ev.task_kind)
+        cmp.compare(arms, ev.kind_of)
     with pytest.raises(InputError, match="reference arm 'BERT'"):
-        cmp.compare(arms, ev.task_kind, reference="BERT")
+        cmp.compare(arms, ev.kind_of, reference="BERT")
     ref, other = arm(tmp_path, "ref", {"-": (0.5, 0.5)}, R=1)["-"], arm(tmp_path, "o", {"-": (0.5, 0.5)}, R=1)["-"]
     r = json.loads(other[0].read_text())
     r["tasks"]["u"] = r["tasks"]["t"]  # a task the reference lacks
     other[0].write_text(json.dumps(r))
-    both = cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.task_kind)
+    both = cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.kind_of)
     assert list(both["tasks"]) == ["t"] and both["left_out"] == {"u": [str(ref[0])]}
     del r["tasks"]["t"]
     other[0].write_text(json.dumps(r))
     with pytest.raises(InputError, match="no task is in every results file"):
-        cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.task_kind)
+        cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.kind_of)
 
 
 def test_table_reads_replicates_separated_by_commas(tmp_path):
     ref, x = arm(tmp_path, "ref", {"-": (0.5, 0.5)})["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)})["-"]
-    text = ev.table([",".join(map(str, ref)), ",".join(map(str, x))])
+    text = cmp.table([",".join(map(str, ref)), ",".join(map(str, x))], ev.kind_of)
     row = next(line for line in text.splitlines() if line.startswith(f"| {x[0].stem} "))
     assert "| 6 |" in row and row.endswith("| better |")
     assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text

@@ -23,7 +23,6 @@ from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
 from machinery import flags as flag_rules
 from machinery import progress
 from machinery.cli import InputError
-from machinery.hf import read_config
 from machinery.rundir import RunDir
 from model import ModernBERT, ModernBERTConfig
 
@@ -172,6 +171,28 @@ def test_freeze_specs():
         freeze.parse_layers("20-23", 22)
     with pytest.raises(ValueError, match="expected block ranges"):
         freeze.parse_layers("first", 22)
+    assert freeze.parse_layers("embeddings", 22) == ["embeddings"]
+    assert freeze.parse_layers("0-1,embeddings", 22) == ["embeddings", 0, 1]
+
+
+def test_freezing_the_embeddings_freezes_the_tied_output_matrix_too():
+    """The embedding matrix is the decoder's weight (tied): frozen through the embeddings, the output layer does
+    not move either under AdamW with weight decay, while its bias and every block do."""
+    model = tiny_model(seed=1)
+    frozen = freeze.frozen_names(model, freeze.parse_layers("embeddings", 4))
+    assert frozen == {"model.embeddings.tok_embeddings.weight", "model.embeddings.norm.weight"}
+    assert model.decoder.weight is model.model.embeddings.tok_embeddings.weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = train.AdamW(model.param_groups(), 1e-2, (0.9, 0.98), 1e-6, 0.1, frozen)
+    for step in range(3):
+        x = torch.randint(0, 256, (2, 32))
+        model(x, labels=x)[1].backward()
+        freeze.zero_frozen_grads(model, frozen)
+        optimizer.step(1e-2)
+        model.zero_grad(set_to_none=True)
+    assert torch.equal(model.decoder.weight, before["model.embeddings.tok_embeddings.weight"])
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == set(before) - frozen and "decoder.bias" in moved
 
 
 # --- losses ----------------------------------------------------------------------------------------
@@ -403,7 +424,7 @@ def test_ddp_two_processes_equal_one_with_twice_the_accumulation(corpus, tmp_pat
                 f"--out_dir={tmp_path / 'eight'}"])
     assert losses("eight") == pytest.approx(losses("two")[:3], rel=2e-6)
     torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
-    init = ModernBERT(read_config(str(tmp_path / "one" / "config.json"))).state_dict()
+    init = ModernBERT(ModernBERTConfig.read(str(tmp_path / "one" / "config.json"))).state_dict()
     for name, tensor in two.items():
         assert torch.equal(tensor, init[name]) == name.startswith("model.layers.1."), name
 
