@@ -100,7 +100,8 @@ def make_parser(description):
                    help="seeds the validation draw, the document order and the mixing")
     p.add_argument("--workers", type=int, default=usable_cores(),
                    help="processes that read, tokenize and write; by default one per core this "
-                        "process may use. The output is the same for any number")
+                        "process may use, and never more than the cores or the input's pieces. The "
+                        "output is the same for any number")
     t = command("tokenizer", "learn a small byte-level BPE tokenizer.json from text files")
     t.add_argument("--input", nargs="+", required=True, help=inputs)
     t.add_argument("--vocab_size", type=int, required=True,
