@@ -463,7 +463,8 @@ def worker_count(requested, sources, field):
     the pieces its inputs make (a worker beyond either would only wait: a compressed file is one piece), said in
     one line when it is fewer. Checked before any process is started."""
     cores = usable_cores()
-    pieces = sum(len(file) for source in pieces_of(sources, field, min(requested, cores)) for file in source)
+    bound = min(requested, cores)
+    pieces = sum(len(file) for source in pieces_of(sources, field, bound) for file in source) if bound > 1 else 1
     n = min(requested, cores, pieces)
     if n < requested:
         why = f"this process may use {cores} cores" if n == cores else f"the input makes {pieces} pieces"
