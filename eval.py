@@ -70,7 +70,7 @@ BAND_RULE = ("outside the band: the pair's mean 1 - CKA over its replicates lies
              "controls' one-sided 95% prediction bound, mean + t(0.95, k - 1) * sqrt(sd^2 (1/k + "
              "1/m) + sd_draws^2 / draws) (k controls that share no run, m replicates; sd_draws: how "
              "much the pair's mean moves between draws of texts): a layer no farther apart than "
-             "seed noise is marked outside at most 5% of the time (4.3% measured; RECIPE.md)")
+             "seed noise is marked outside at most 5% of the time (2.7% measured; RECIPE.md)")
 
 
 def band(pair, controls, draw_sd=0.0, draws=1):

@@ -522,7 +522,7 @@ def losses(runs, models, base, R):
                 d, dl, dh = t_interval(diffs)
                 se = statistics.stdev(diffs) / math.sqrt(R) if R > 1 else None
                 entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"),
-                                           detectable=None if se is None else detectable(se, R - 1))
+                                           detectable=None if se is None else detectable(se * se, 0.0, R))
             out[m][key] = entry
     return out
 

@@ -11,6 +11,7 @@ in it. Replicate r of every arm shares its data order, a fine-tuning seed is the
 order for every model, and every model is scored on the same test examples, so differences are paired at every
 level. Settings (learning rate, checkpoint) are chosen on dev; test is read once, for that setting.
 """
+import functools
 import math
 from pathlib import Path
 from statistics import NormalDist
@@ -63,12 +64,14 @@ def t_interval(values):
 
 
 # ----------------------------------------------------------------------------
-# Power. A two-sided 95% test of a difference whose estimate has standard error `se` on `df` degrees of freedom
-# finds a true difference d when |estimate| / estimated se > t(0.975, df). Its probability, the power, is that
-# of a noncentral t: P(|Z + d/se| > t(0.975, df) * S), Z standard normal and S^2 a chi-square over df divided by
-# df (how far the estimated se falls from the true one). The smallest difference found with 80% power solves
-# power = 0.8; it is about (t(0.975, df) + t(0.80, df)) * se (2.8 se for large df; 5.7 se at df = 2, where the
-# sum's 5.36 se gives 77%). The half-width t(0.975, df) * se is found only half the time.
+# Power. The interval below excludes 0 when |mean| > t(0.975, df) * sqrt(v), v the estimated variance of the
+# mean: the replicates' part v_runs (from `units` values: a chi-square on units - 1 degrees of freedom around its
+# true value) plus the examples' part (a bootstrap of many draws: taken as known), df Satterthwaite's. Its power
+# at a true difference d is the chance of that over the mean (normal around d, with the true variance) and over
+# the replicates' estimate, which moves v and df together; with no examples' part it is the noncentral t's,
+# P(|Z + d/se| > t(0.975, df) * S), S^2 a chi-square over df divided by df. The smallest difference found with
+# 80% power solves power = 0.8: about (t(0.975, df) + t(0.80, df)) * se for a fixed df (2.8 se for large df, 5.7
+# se at df = 2, where the sum's 5.36 se is found 77% of the time). The half-width is found only half the time.
 
 POWER = 0.8
 
@@ -82,30 +85,44 @@ def normal_cdf(x):
     return np.where(np.asarray(x) >= 0, 1 - half_erfc, half_erfc)
 
 
-def power(d, se, df):
-    """The probability that a two-sided 95% t test on df degrees of freedom finds a true difference d whose
-    estimate has standard error se (see above); the integral over S on a grid of 4,001 points."""
-    df = max(1, int(df)) if math.isfinite(df) else math.inf
-    c, shift = t_quantile(0.975, df), abs(d) / se
-    if df == math.inf:
+@functools.lru_cache(maxsize=None)
+def critical(df):
+    """t(0.975, df) for an integer df: the quantile's bisection once per df (power asks for many)."""
+    return t_quantile(0.975, df)
+
+
+def power(d, v_runs, v_examples, units):
+    """The probability that `interval`'s 95% interval excludes 0 when the true difference is d, its variance
+    v_runs (estimated from `units` values) + v_examples (see above); the integral over the replicates' estimate
+    on a grid of 1,201 points."""
+    sigma = math.sqrt(v_runs + v_examples)
+    shift = abs(d) / sigma
+    if v_runs <= 0 or units < 2:  # nothing estimated from few values: the normal quantile
+        c = t_quantile(0.975, math.inf)
         return float(normal_cdf(shift - c) + normal_cdf(-shift - c))
-    s = np.linspace(0, 1 + 12 / math.sqrt(df), 4001)  # S's density is negligible beyond
-    log_c = math.log(2) + df / 2 * math.log(df / 2) - math.lgamma(df / 2)  # S's density: c s^(df-1) e^(-df s^2/2)
-    powers = (df - 1) * np.log(np.maximum(s, 1e-300)) if df > 1 else 0.0
-    density = np.exp(log_c + powers - df * s * s / 2)
-    found = normal_cdf(shift - c * s) + normal_cdf(-shift - c * s)
-    return float(np.sum((density * found)[1:] + (density * found)[:-1]) / 2 * (s[1] - s[0]))
+    k = units - 1
+    s = np.linspace(1e-9, 1 + 12 / math.sqrt(k), 1201)  # S = sqrt(estimate / truth); beyond, no density
+    log_c = math.log(2) + k / 2 * math.log(k / 2) - math.lgamma(k / 2)  # S's density: c s^(k-1) e^(-k s^2/2)
+    density = np.exp(log_c + (k - 1) * np.log(s) - k * s * s / 2)
+    runs = v_runs * s * s  # the replicates' part as estimated
+    v = runs + v_examples
+    df = np.minimum(np.floor(v * v / (runs * runs / k)), 1001)  # Satterthwaite's, rounded down as the interval does
+    each, where = np.unique(df, return_inverse=True)
+    c = np.array([critical(int(x) if x <= 1000 else math.inf) for x in each])[where]
+    z = np.sqrt(v) / sigma
+    found = density * (normal_cdf(shift - c * z) + normal_cdf(-shift - c * z))
+    return float(np.sum(found[1:] + found[:-1]) / 2 * (s[1] - s[0]))
 
 
-def detectable(se, df):
-    """The smallest true difference found with 80% power (POWER) by a test of standard error se on df degrees of
-    freedom: power's root, by bisection. 0 when se is 0 (nothing varies)."""
-    if not se > 0:
+def detectable(v_runs, v_examples, units):
+    """The smallest true difference `interval` finds with 80% power (POWER): power's root, by bisection. 0 when
+    nothing varies."""
+    if not v_runs + v_examples > 0:
         return 0.0
-    low, high = 0.0, 20 * se
-    for _ in range(50):
+    low, high = 0.0, 20 * math.sqrt(v_runs + v_examples)
+    for _ in range(30):
         middle = (low + high) / 2
-        low, high = (middle, high) if power(middle, se, df) < POWER else (low, middle)
+        low, high = (middle, high) if power(middle, v_runs, v_examples, units) < POWER else (low, middle)
     return high
 
 
@@ -155,7 +172,7 @@ def interval(metric, b, a=None, resamples=2000, seed=0):
     return {"mean": mean, "low": mean - half, "high": mean + half, "half": half,
             "units": len(top), "level": "replicates" if R > 1 else "seeds", "df": df,
             "sd_runs": math.sqrt(v_runs), "sd_examples": math.sqrt(v_examples),
-            "detectable": detectable(math.sqrt(v), df), "components": components}
+            "detectable": detectable(v_runs, v_examples, len(top)), "components": components}
 
 
 def project(components, replicates, seeds, examples):
@@ -175,8 +192,7 @@ def project(components, replicates, seeds, examples):
     v_examples = c["example_var"] / examples
     v = v_runs + v_examples
     df = v * v / (v_runs * v_runs / (units - 1)) if v_runs > 0 and units > 1 else math.inf
-    se = math.sqrt(v)
-    return {"se": se, "df": df, "detectable": detectable(se, df)}
+    return {"se": math.sqrt(v), "df": df, "detectable": detectable(v_runs, v_examples, units)}
 
 
 def needed(components, target, replicates, seeds, examples, most_examples, limit=200):
@@ -187,8 +203,16 @@ def needed(components, target, replicates, seeds, examples, most_examples, limit
     def reaches(r, s, n):
         return project(components, r, s, n)["detectable"] <= target
 
-    out = {"replicates": next((k for k in range(2, limit + 1) if reaches(k, seeds, examples)), None),
-           "seeds": next((k for k in range(1, limit + 1) if reaches(replicates, k, examples)), None)}
+    def least(low, design):  # the fewest of low..limit that reach the target (more never detect less), or None
+        if not reaches(*design(limit)):
+            return None
+        high = limit
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if reaches(*design(middle)) else (middle + 1, high)
+        return low
+
+    out = {"replicates": least(2, lambda k: (k, seeds, examples)), "seeds": least(1, lambda k: (replicates, k, examples))}
     grid = sorted({min(most_examples, round(examples * 1.05 ** k)) for k in range(200)} | {most_examples})
     first = next((n for n in grid if reaches(replicates, seeds, n)), None)
     if first is not None:  # the least n between the grid point before and this one
