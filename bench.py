@@ -333,6 +333,8 @@ def measure(args, preset, phase, seq_len, micro):
     import torch
     import transformers
 
+    from machinery.hf import config_to_hf
+    from machinery.kernels import backend_for, compile_blocks
     from model import ModernBERT, ModernBERTConfig
     from train import AdamW, peak_flops
 
@@ -356,7 +358,7 @@ def measure(args, preset, phase, seq_len, micro):
         flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
         attn = "flash_attention_2" if flash and not causal else "sdpa"
     # the peer: same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
-    hf_cfg = transformers.ModernBertConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures",
+    hf_cfg = transformers.ModernBertConfig(**{k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures",
                                            "model_type", "layer_types", "rope_parameters", "mask_token_id")},
                                            sparse_prediction=not causal, attn_implementation=attn)
     peer, peer_opt, peer_resident = on_device(lambda: transformers.ModernBertForMaskedLM(hf_cfg))
@@ -366,7 +368,7 @@ def measure(args, preset, phase, seq_len, micro):
                 "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
     # transformers' ModernBERT has no causal mode: it gets the causal (and sliding-window) masks as tensors
     with autocast(device):  # the backend the steps run: auto's pick depends on the dtype
-        backend = ours.attention_backend(device)
+        backend = backend_for(ours, device)
     row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
                backend=backend, peer_attention=attn + "+causal mask" * causal)
     for name, model in (("ours", ours), ("peer", peer)):
@@ -374,7 +376,7 @@ def measure(args, preset, phase, seq_len, micro):
             row[f"loss_{name}"] = forwards[name]().item()
         model.train()
     if args.compile:  # regional compilation, as train.py does; the peer too, so that the ratio is the code's
-        ours.compile_blocks()
+        compile_blocks(ours)
         for block in peer.model.layers:
             block.compile()
 
@@ -706,7 +708,7 @@ def resolve(args):
                              f"({(str(e).splitlines() or [''])[0][:200]})") from None
         return
     args.device = pick_device(args.device, flag="--device")
-    from model import pick_backend
+    from machinery.kernels import pick_backend
     try:
         with autocast(args.device):  # the steps' dtype: flash-attn refuses float32
             pick_backend(args.device, args.backend, training=True)

@@ -122,7 +122,7 @@ def layer_means(model, tok, texts, max_len, batch_size, device):
     for idx in batches_by_length(seqs, batch_size):
         ids, mask = pad_batch([seqs[i] for i in idx], tok.pad_id, device)
         with autocast(device):
-            layers = model.hidden_states(ids, mask)  # L x (B, T, d)
+            layers = model.encode(ids, mask, all_layers=True)  # L x (B, T, d)
         weight = mask[..., None].double()  # (B, T, 1)
         for layer, h in enumerate(layers):
             out[layer, torch.from_numpy(idx)] = ((h.double() * weight).sum(1) / weight.sum(1)).cpu()

@@ -1,17 +1,12 @@
 """ModernBERT from scratch, numerically identical to Hugging Face `ModernBertForMaskedLM`.
 
-Read top to bottom: the config and its size presets, rotary embedding, attention, MLP, the block,
-then the model: forward, optimizer groups, FLOP count, checkpoints. Parameter names are exactly
-Hugging Face's, so a checkpoint is a plain state dict that transformers loads as is.
-
+Read top to bottom: the config and its size presets, rotary embedding, attention and the loss written
+out, MLP, the block, then the model: forward, optimizer groups, FLOP count, checkpoints. Parameter
+names are Hugging Face's, so a checkpoint is a plain state dict that transformers loads as is.
 The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
-changes only which keys each query may see. Global layers see every key (j <= i when causal); local
-layers see |i - j| <= 64 (i - 64 <= j <= i when causal). `mask_rule` below writes that rule out and
-`reference_attention` the attention it masks.
-
-Behind the model, in machinery/ (a reader may skip them): kernels.py, the attention backends
-(flash-attn, FlexAttention, SDPA: the same attention, computed faster) and the fused decoder +
-cross-entropy; hf.py, reading and checking config.json and model.safetensors.
+changes only which keys each query may see (`mask_rule`). Behind the model, in machinery/ (a reader
+may skip them): kernels.py, the attention backends (the same attention, computed faster), compiling
+the blocks and the fused decoder + loss; hf.py, config.json and model.safetensors read and checked.
 """
 import dataclasses
 import math
@@ -22,12 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery.cli import InputError
-from machinery.hf import (check_config, config_to_hf, read_config, read_weights, resolve_checkpoint,
-                          write_checkpoint)
-# BACKENDS: the one table of attention backends; train.py and bench.py take it, BACKEND_NAMES and
-# pick_backend from here.
-from machinery.kernels import (BACKEND_NAMES, BACKENDS, IGNORE_INDEX, allow_graphs, compute_dtype,
-                               linear_cross_entropy, pick_backend)
+from machinery.hf import check_config, read_config, read_weights, replace_config, resolve_checkpoint, write_checkpoint
+# BACKENDS: the one table of attention backends (train.py and bench.py take it from here)
+from machinery.kernels import BACKENDS, IGNORE_INDEX, backend_for, labelled, linear_cross_entropy  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Configuration. Field names follow Hugging Face's config.json; machinery/hf.py checks every value.
@@ -35,18 +27,13 @@ from machinery.kernels import (BACKEND_NAMES, BACKENDS, IGNORE_INDEX, allow_grap
 PRESETS = {
     # For CPU tests and the demo: keeps the global/local alternation (layers 0 and 3 global) and a
     # local window (+-64) shorter than the demo's 256-token sequences.
-    "tiny": dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4,
-                 num_attention_heads=4),
+    "tiny": dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4),
     # Small experiments: enough blocks to compare low and high layers, head dim 64 as in base.
-    "mini": dict(hidden_size=256, intermediate_size=384, num_hidden_layers=8,
-                 num_attention_heads=4),
-    "small": dict(hidden_size=384, intermediate_size=576, num_hidden_layers=12,
-                  num_attention_heads=6),
+    "mini": dict(hidden_size=256, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4),
+    "small": dict(hidden_size=384, intermediate_size=576, num_hidden_layers=12, num_attention_heads=6),
     # ModernBERT-base (150M parameters) and ModernBERT-large (396M), as published.
-    "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
-                 num_attention_heads=12),
-    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
-                  num_attention_heads=16),
+    "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
+    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
 }
 
 
@@ -79,9 +66,7 @@ class ModernBERTConfig:
     layer_types: tuple = None  # from global_attn_every_n_layers unless a checkpoint lists them
 
     def __post_init__(self):
-        check_config(self)  # an InputError naming the field, before anything is allocated
-        if self.hidden_activation not in ACTIVATIONS:
-            raise InputError(f"hidden_activation={self.hidden_activation!r}: expected one of {list(ACTIVATIONS)}")
+        check_config(self, ACTIVATIONS)  # an InputError naming the field, before anything is allocated
         if self.layer_types is None:
             n = self.global_attn_every_n_layers
             self.layer_types = ["full_attention" if i % n == 0 else "sliding_attention"
@@ -100,16 +85,7 @@ class ModernBERTConfig:
 
     def replace(self, **overrides):
         """A copy with some fields changed (e.g. attention_dropout for training), checked again."""
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise InputError(f"unknown config fields {unknown}")
-        if {"num_hidden_layers", "global_attn_every_n_layers"} & set(overrides):
-            overrides.setdefault("layer_types", None)  # derived again from the new depth
-        return dataclasses.replace(self, **overrides)
-
-    def to_hf(self):
-        """The contents of config.json, in the key spellings of transformers 4.x and 5.x."""
-        return config_to_hf(self)
+        return replace_config(self, **overrides)
 
     @classmethod
     def read(cls, config_file):
@@ -179,9 +155,8 @@ def reference_attention(q, k, v, keep):
 
 def cross_entropy(h, weight, bias, targets):
     """The loss, written out: the tied decoder's logits (M, vocab) of the M labelled positions' head outputs h
-    (M, d), and the mean cross-entropy against their targets (M,). MLM's targets are the masked tokens, CLM's the
-    next ones: one loss for both. kernels.linear_cross_entropy computes the same in row chunks, so that the
-    (M, vocab) logits never exist at once in fp32 (tests/test_model.py holds the two equal, value and gradients)."""
+    (M, d), their mean cross-entropy against the targets (M,): the masked tokens (MLM) or the next ones (CLM).
+    kernels.linear_cross_entropy computes the same in row chunks, never all (M, vocab) logits at once in fp32."""
     logits = F.linear(h, weight, bias)  # (M, vocab)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax in fp32 under bf16 autocast
     return F.cross_entropy(logits, targets) if len(targets) else logits.sum()  # no labelled position: 0
@@ -199,8 +174,7 @@ class Attention(nn.Module):
         d = cfg.hidden_size
         self.Wqkv = nn.Linear(d, 3 * d, bias=False)  # rows Q | K | V, head-major
         self.Wo = nn.Linear(d, d, bias=False)
-        # On the output projection only (transformers also drops attention probabilities): one
-        # dropout that every backend applies alike, FlexAttention having none on probabilities.
+        # on the output projection only, so every backend drops alike (FlexAttention has none on probabilities)
         self.dropout = cfg.attention_dropout
 
     def forward(self, x, rope, attn):
@@ -259,8 +233,7 @@ class ModernBERT(nn.Module):
         c = config
         self.model = nn.ModuleDict(dict(
             embeddings=nn.ModuleDict(dict(
-                tok_embeddings=nn.Embedding(c.vocab_size, c.hidden_size,
-                                            padding_idx=c.pad_token_id),
+                tok_embeddings=nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id),
                 norm=layer_norm(c))),
             layers=nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers)),
             final_norm=layer_norm(c)))
@@ -288,31 +261,13 @@ class ModernBERT(nn.Module):
                 nn.init.trunc_normal_(p, mean=0.0, std=std, a=-a, b=a)
 
     # --- forward ---
-    def attention_backend(self, device=None):
-        """The backend name this model runs with on `device` (see BACKEND_NAMES), in the dtype autocast gives
-        there now (else the weights')."""
-        device = torch.device(device or self.decoder.weight.device)
-        return pick_backend(device, self.backend, dtype=compute_dtype(device, self.decoder.weight.dtype))
-
-    def compile_blocks(self, backend="inductor"):
-        """torch.compile each block (regional compilation): blocks of one kind share their graphs, so a deep
-        model compiles as fast as a shallow one."""
-        # Every block runs the one Block.forward, whose graphs dynamo keeps together. A run needs one per block
-        # kind (layer 0 without attn_norm, global, local) and mode (training; MLM and CLM validation, without
-        # grad and with other masks), each compiled for its first shapes and once more with the sizes that then
-        # changed made dynamic (the unpadded token count, a short last validation batch).
-        kinds = len({(type(b.attn_norm), b.local) for b in self.model.layers})
-        allow_graphs(kinds * 3 * 2)
-        for block in self.model.layers:
-            block.compile(backend=backend)
-        self.compiled_with = backend
-
     def encode(self, input_ids, attention_mask=None, causal=False, doc_ids=None, all_layers=False):
         """Final hidden states (B, T, d) after final_norm; with all_layers, the L block outputs."""
         B, T = input_ids.shape
         token_mask = None if attention_mask is None else attention_mask.bool()
-        attn = BACKENDS[self.attention_backend(input_ids.device)](
-            B, T, input_ids.device, causal, self.config.window, token_mask, doc_ids)
+        attn = BACKENDS[backend_for(self, input_ids.device)](  # the fastest the device has (kernels.py)
+            B, T, input_ids.device, causal, self.config.window, token_mask, doc_ids, rule=mask_rule,
+            reference=reference_attention)
         emb = self.model.embeddings
         x = attn.unpad(emb.norm(emb.tok_embeddings(input_ids)))  # (B, T, d) -> backend's layout
         D = self.config.hidden_size // self.config.num_attention_heads
@@ -325,10 +280,6 @@ class ModernBERT(nn.Module):
                 outputs.append(attn.repad(x))
         return outputs if all_layers else attn.repad(self.model.final_norm(x))
 
-    def hidden_states(self, input_ids, attention_mask=None, causal=False):
-        """The L block outputs, each (B, T, d), before final_norm: one per layer, for CKA."""
-        return self.encode(input_ids, attention_mask, causal, all_layers=True)
-
     def head_hidden(self, h):
         """The MLM head before the tied decoder: dense, GELU, norm."""
         return self.head.norm(F.gelu(self.head.dense(h)))
@@ -338,24 +289,14 @@ class ModernBERT(nn.Module):
         return self.decoder(self.head_hidden(h))
 
     def forward(self, input_ids, attention_mask=None, labels=None, causal=False, doc_ids=None):
-        """Returns (logits, loss).
-
-        Without labels: logits (B, T, vocab) and loss None. With labels: sparse prediction, as
-        ModernBERT trains: the head runs only on positions whose label is not -100, and the loss is
-        cross_entropy's over them (fused in chunks unless loss="plain"); logits is None.
-
-        Labels may stay in host memory while the model is on a GPU: the labelled positions are then
-        found on the host, with no device sync, and sent through pinned memory. That is why train.py
-        builds DDP without device_ids: with them, DDP would move the labels to the GPU first."""
+        """Returns (logits, loss). Without labels: logits (B, T, vocab) and loss None. With labels:
+        sparse prediction, as ModernBERT trains: the head runs only on positions whose label is not
+        -100, and the loss is cross_entropy's over them (fused in chunks unless loss="plain"); logits is
+        None. Labels may stay on the host while the model is on a GPU: no device sync finds them."""
         h = self.encode(input_ids, attention_mask, causal, doc_ids)  # (B, T, d)
         if labels is None:
             return self.predict(h), None
-        flat = labels.flatten()
-        keep = (flat != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), on the labels' device
-        targets = flat[keep]
-        if keep.device != h.device:
-            keep, targets = (t.pin_memory().to(h.device, non_blocking=True)
-                             for t in (keep, targets))
+        keep, targets = labelled(labels, h.device)  # (M,) each: the positions with a label, and their labels
         h = self.head_hidden(h.flatten(0, 1)[keep])  # (M, d)
         loss = cross_entropy if self.loss == "plain" else linear_cross_entropy
         return None, loss(h, self.decoder.weight, self.decoder.bias, targets)
@@ -373,12 +314,10 @@ class ModernBERT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len, causal=False, mask_rate=1.0):
-        """Training FLOPs (forward + backward = 3x forward) per token, matmuls and attention.
-
-        mask_rate: fraction of positions that go through the head and decoder (sparse prediction):
-        the MLM masking rate, or 1.0 for CLM. Attention keys per query: global layers see seq_len
-        (half on average when causal); local layers 2w+1 = 129 (w+1 = 65 when causal), ignoring
-        the shorter windows at the sequence edges."""
+        """Training FLOPs (forward + backward = 3x forward) per token, matmuls and attention. mask_rate:
+        the share of positions through the head and decoder (MLM's rate; 1.0 for CLM). Keys per query:
+        seq_len in a global layer (half on average when causal), 2w+1 = 129 in a local one (w+1 when
+        causal), ignoring the shorter windows at the sequence edges."""
         c = self.config
         d, w = c.hidden_size, c.window
         body = c.num_hidden_layers * (4 * d * d + 3 * d * c.intermediate_size)  # Wqkv, Wo, Wi, Wo
@@ -394,8 +333,7 @@ class ModernBERT(nn.Module):
     # --- checkpoints: a Hugging Face directory (config.json + model.safetensors) ---
     @classmethod
     def from_pretrained(cls, path_or_id, backend="auto", **config_overrides):
-        """Load a Hugging Face directory or hub id; config_overrides set config fields (e.g.
-        attention_dropout)."""
+        """A Hugging Face directory or hub id; config_overrides set fields (e.g. attention_dropout)."""
         path = resolve_checkpoint(path_or_id)
         config = ModernBERTConfig.read(os.path.join(path, "config.json"))
         model = cls(config.replace(**config_overrides), backend)

@@ -25,11 +25,9 @@ import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, curves, datacli, flags, progress, tracking
-from machinery.hf import resolve_checkpoint
+from machinery import cli, datacli, flags, kernels, progress, rundir, tracking
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
-from machinery.rundir import (GracefulStop, RunDir, check_savable, code_version, continuation_dir, rng_state,
-                              set_rng_state)
+from machinery.rundir import GracefulStop, RunDir, check_savable, code_version, rng_state, set_rng_state
 from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
@@ -139,10 +137,7 @@ def resolve_config(given, saved=None, parent=None):
     cfg = Config(**{**RECIPES[recipe], **PHASES[phase], **inherited, **given})
     if parent and continues_schedule(cfg, parent["config"]):  # one schedule: one shape
         cfg = dataclasses.replace(cfg, **{k: parent["config"][k] for k in SCHEDULE_SHAPE if k not in given})
-    default_dir = f"out/{cfg.phase}" if cfg.recipe == "paper" else f"out/{cfg.recipe}-{cfg.phase}"
-    if RunDir.is_run(cfg.init_from):  # a run continuing ours is named after it: out/demo-mlm-clm
-        default_dir = continuation_dir(cfg.init_from, cfg.phase)
-    cfg.out_dir = os.path.normpath(cfg.out_dir or default_dir)  # out/run/ and out/run: one run
+    cfg.out_dir = os.path.normpath(cfg.out_dir or rundir.default_dir(cfg.recipe, cfg.phase, cfg.init_from))
     if cfg.tokens == 0 and parent:  # the decay: 10% of the tokens of the run it continues
         cfg.tokens = parent["phase_tokens"] // 10
     return cfg
@@ -194,19 +189,6 @@ class AdamW:
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bias1)
 
-    def state_tensors(self):
-        return {f"{kind}.{name}": t for name, pair in self.moments.items()
-                for kind, t in zip(("exp_avg", "exp_avg_sq"), pair)}
-
-    def load_state_tensors(self, tensors, source):
-        want = set(self.state_tensors())
-        if set(tensors) != want:
-            raise cli.InputError(f"{source} does not match the model: missing "
-                                 f"{sorted(want - set(tensors))[:5]}, unexpected "
-                                 f"{sorted(set(tensors) - want)[:5]}")
-        for name, (m, v) in self.moments.items():
-            m.copy_(tensors[f"exp_avg.{name}"])
-            v.copy_(tensors[f"exp_avg_sq.{name}"])
 
 
 # The shape of each schedule after the warmup, at t of `total` tokens: a multiplier of the peak.
@@ -225,8 +207,7 @@ def wsd(t, total, cfg):  # warmup-stable-decay: the peak, then 1-sqrt over the l
 
 SCHEDULES = {"constant": constant, "1-sqrt": one_minus_sqrt, "wsd": wsd}
 # The values these flags accept: the names the tables define, never typed twice.
-CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES,
-               backend=("auto", *BACKENDS))
+CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES, backend=("auto", *BACKENDS))
 FIELDS = flags.checkpoint_fields(Config)  # the settings a checkpoint's config holds
 
 
@@ -237,10 +218,9 @@ def learning_rate(cfg, t):
 
 
 def token_sum(loss, labels):
-    """(the summed loss of a batch's labelled tokens, their count), from the batch's mean loss.
-    Summed over batches and processes and then divided, they give the mean over tokens, the same
-    for any batch size and any number of processes; a mean of batch means would weigh a short
-    batch as much as a full one. The labels stay on the host: counting them waits for no device."""
+    """(the summed loss of a batch's labelled tokens, their count), from the batch's mean loss. Summed
+    over batches and processes, then divided: the mean over tokens for any batch size and number of
+    processes (a mean of batch means weighs a short batch as a full one). Labels stay on the host."""
     n = (labels != IGNORE_INDEX).sum().item()
     return loss.detach().double() * n, n  # no labelled token: the model's loss is 0, and so is this
 
@@ -294,7 +274,7 @@ STARTS = {  # what each of the four ways carries over
 
 def start_point(given, master, world, local_world):
     """(how, cfg, state, run_dir): how the run starts, its checked configuration, the state it
-    starts from (None: a fresh model or a Hugging Face one), and rank 0's run directory."""
+    starts from (None: a fresh model or a Hugging Face one), and rank 0's run directory, locked."""
     init_from, out_dir = given.get("init_from", Config.init_from), given.get("out_dir", "")
     if given.get("resume"):
         how = "resume"  # everything of out_dir's newest checkpoint, bit for bit
@@ -304,43 +284,25 @@ def start_point(given, master, world, local_world):
         how = "weights" if given.get("weights_only") else "handoff"
     else:
         how = "weights"  # a Hugging Face checkpoint
-    if given.get("weights_only") and how == "fresh":
-        raise cli.InputError("--weights_only takes the weights of --init_from=<a run of ours>; a fresh model has "
-                             "none to take")
+    flags.check_weights_only(given, how)
     run_dir = state = None
-    if how == "resume":
-        if not RunDir.is_run(out_dir):
-            raise cli.InputError(f"--resume needs --out_dir=<a run directory of train.py>; "
-                                 f"{out_dir or 'none'} holds no run.json")
-        if master:
-            run_dir = RunDir.open(os.path.normpath(out_dir))
-            run_dir.lock()
-        state = all_gather(run_dir.latest_state(PHASES, FIELDS) if master else None, world)[0]
-        if state is None:
-            raise cli.InputError(f"--resume --out_dir={out_dir}: no complete checkpoint there yet")
+    if how == "resume":  # its own run directory and newest checkpoint; the budget may grow, the schedule kept
+        run_dir, state = rundir.resume_from(out_dir, master, lambda s: cli.all_gather(s, world)[0], PHASES, FIELDS)
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
-        if any(getattr(cfg, k) != state["config"][k] for k in flags.BUDGET):  # a longer run, the same schedule
-            flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
+        flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
     else:
-        if RunDir.is_run(init_from):
-            state = RunDir.open(init_from).latest_state(PHASES, FIELDS)
-            if state is None:
-                raise cli.InputError(f"--init_from={init_from}: that run has no complete "
-                                     f"checkpoint yet")
+        state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
         if "preset" in given and STARTS[how].weights:  # weights keep their shape: only the checkpoint's own
-            config = ModernBERTConfig.read(os.path.join(checkpoint_dir(cfg, state), "config.json"))
-            flags.check_preset(given["preset"], config, cfg.init_from, PRESETS)
+            flags.check_preset(given["preset"], ModernBERTConfig.read(os.path.join(
+                rundir.checkpoint_dir(cfg.init_from, state), "config.json")), cfg.init_from, PRESETS)
         if STARTS[how].data_position:  # it holds for the parent's seq_len and seeds only
             flags.check_handoff(cfg, state["config"])
         cfg.base_model = cfg.base_model or progress.base_model(cfg.init_from, state)  # the card's
-    flags.check_start(cfg, how, state, Config)  # the chain of phases, checkpoint, device, backend
-    flags.check(cfg, CHOICES, world)
-    tracking.names(cfg.log_to)  # known and installed
+    flags.check_all(cfg, how, state, Config, CHOICES, world)  # the chain of phases, device, backend, trackers
     cfg.threads = cli.pick_threads(cfg.threads, local_world)
     if master and not STARTS[how].phase:  # a new phase: a run directory of its own
-        run_dir = RunDir.create(cfg.out_dir)
-        run_dir.lock()
+        run_dir = RunDir.create(cfg.out_dir, locked=True)
     return how, cfg, state, run_dir
 
 
@@ -362,20 +324,9 @@ def schedule_start(cfg, how, state):
     return state["schedule_tokens_done"]
 
 
-def checkpoint_dir(cfg, state):
-    """The folder a run takes its config.json and weights from: one of our runs' newest complete checkpoint,
-    or a Hugging Face directory or hub id."""
-    if state is not None:
-        return state["dir"]
-    try:
-        return resolve_checkpoint(cfg.init_from)
-    except cli.InputError as e:
-        raise cli.InputError(f"--init_from={cfg.init_from}: {e}") from None
-
-
 def build_model(cfg, how, state, meta, device):
     """The model, its configuration checked against the data before any weight is loaded."""
-    source = checkpoint_dir(cfg, state) if STARTS[how].weights else None
+    source = rundir.checkpoint_dir(cfg.init_from, state) if STARTS[how].weights else None
     if source is None:
         vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
         config = ModernBERTConfig.from_preset(
@@ -396,9 +347,7 @@ def restore(how, state, optimizer, loader, device, rank, world):
     streams. Returns (phase step, phase tokens, the runs before this)."""
     carries = STARTS[how]
     if carries.moments:
-        from safetensors.torch import load_file
-        path = os.path.join(state["dir"], "optimizer.safetensors")
-        optimizer.load_state_tensors(load_file(path, device=str(device)), path)
+        rundir.load_moments(optimizer.moments, state["dir"], device)
     if carries.adam_t:
         optimizer.t = state["adam_t"]
     if carries.data_position:
@@ -433,22 +382,12 @@ def init_processes(given):
     return rank, world, local_world, device
 
 
-def all_gather(obj, world):
-    """Every rank's obj. A collective: every rank must call it at the same point."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
     """(the step's mean loss over every rank's labelled tokens, whether any rank was asked to stop, the gradient
-    norm), as Python numbers. Every rank must stop at the same step: one that went on would wait forever in the
-    next gradient all-reduce. So each rank adds 1 if a signal reached it, and a sum above 0 stops them all. The
-    stop signal rides in the loss's all-reduce, and the norm (the same on every rank) in its copy to the host:
-    one collective and one host sync per step, not two of each. The host's two numbers reach the device in one copy
-    from pinned memory that does not wait for it (new_tensor would make two copies, each a wait)."""
+    norm), as Python numbers. Every rank must stop at the same step (one that went on would wait forever in the
+    next all-reduce): each adds 1 if a signal reached it, and a sum above 0 stops them all. The stop rides in the
+    loss's all-reduce, the norm (the same on every rank) in its copy to the host: one collective and one host sync
+    a step. The host's two numbers reach the device in one pinned copy that does not wait for it."""
     host = torch.tensor([labelled, float(stop_requested)], dtype=loss_sum.dtype, pin_memory=loss_sum.is_cuda)
     shared = torch.cat([loss_sum[None], host.to(loss_sum.device, non_blocking=True)])
     if dist.is_initialized():
@@ -457,44 +396,14 @@ def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
     return total / max(labelled, 1), asked > 0, norm
 
 
-@dataclass
-class Run:
-    """Everything the loop reads and changes, built once by setup()."""
-    cfg: Config
-    how: str  # a row of STARTS: fresh | weights | handoff | resume
-    model: ModernBERT
-    ddp_model: torch.nn.Module  # the model itself on one process
-    optimizer: AdamW
-    loader: data.Loader
-    frozen: set  # parameter names the optimizer skips
-    meta: dict  # the data's meta.json
-    tokenizer: object
-    run_dir: RunDir  # None on ranks other than 0: rank 0 writes
-    tracker: tracking.Trackers  # --log_to: rank 0's, none on the others
-    device: torch.device
-    rank: int
-    world: int
-    accum: int  # micro-batches per optimizer step on each process
-    phase_step: int  # optimizer steps of this phase (Adam's t counts every phase: optimizer.t)
-    phase_tokens: int  # tokens of this phase
-    schedule_start: int  # tokens of the schedule run before this phase
-    history: list  # the runs this one continues: [{phase, tokens, dir}]
-    code: dict  # the code version, saved with every checkpoint
-
-
 def setup(given):
     """Everything before the first step: processes, where we start, data, model, optimizer."""
     rank, world, local_world, device = init_processes(given)
     how, cfg, state, run_dir = start_point(given, rank == 0, world, local_world)
     torch.set_num_threads(cfg.threads)
-    demo = cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"]
-    if demo and rank == 0 and not os.path.exists(os.path.join(cfg.data, "meta.json")):
-        print(f"{cfg.data} is missing: building the embedded demo corpus")
-        try:
-            datacli.prepare_demo(data.prepare, cfg.data)
-        except cli.InputError as e:  # its message names data.py's flags, not ours
-            raise cli.InputError(f"--data={cfg.data}: cannot build the demo corpus there ({e})") from None
-    all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
+    if cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"] and rank == 0:
+        datacli.ensure_demo(data.prepare, cfg.data)  # built here when missing: no download
+    cli.all_gather(None, world)  # a barrier: the other ranks wait for the demo corpus
     meta = data.load_meta(cfg.data)
     tokenizer = data.load_tokenizer(meta["tokenizer"])
     data.check_tokenizer(meta, tokenizer)
@@ -515,16 +424,18 @@ def setup(given):
         progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     if cfg.compile and device.type in COMPILERS:
-        model.compile_blocks(COMPILERS[device.type])
+        kernels.compile_blocks(model, COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if run_dir:
         run_dir.trim_log(phase_step)  # the log holds exactly the steps of the checkpoint we start from
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
                                 dataclasses.asdict(cfg), phase_step + 1)
-    return Run(cfg, how, model, ddp_model, optimizer, loader, frozen, meta, tokenizer, run_dir, tracker,
-               device, rank, world, cfg.batch_size // (micro * world), phase_step, phase_tokens, start, history,
-               code_version())
+    return progress.Run(cfg=cfg, how=how, model=model, ddp_model=ddp_model, optimizer=optimizer, loader=loader,
+                        frozen=frozen, meta=meta, tokenizer=tokenizer, run_dir=run_dir, tracker=tracker,
+                        device=device, rank=rank, world=world, accum=cfg.batch_size // (micro * world),
+                        phase_step=phase_step, phase_tokens=phase_tokens, schedule_start=start,
+                        history=history, code=code_version())
 
 
 def train(r):
@@ -549,8 +460,8 @@ def train(r):
             lr = learning_rate(cfg, r.schedule_start + r.phase_tokens)
             loss_sum, labelled = torch.zeros((), dtype=torch.float64, device=r.device), 0
             for micro in range(r.accum):
-                if dist.is_initialized():  # all-reduce gradients on the last micro-step only
-                    r.ddp_model.require_backward_grad_sync = micro == r.accum - 1
+                if dist.is_initialized():  # all-reduce gradients on the last micro-step only: what DDP's
+                    r.ddp_model.require_backward_grad_sync = micro == r.accum - 1  # no_sync() does, as a flag
                 x, y = r.loader.next()  # (micro, T) ids on the device, labels on the host
                 docs = data.document_ids(x, r.meta["sep_id"]) if cfg.separate_documents else None
                 with cli.autocast(r.device, cfg.dtype):
@@ -615,21 +526,17 @@ def checkpoint_state(r, rng):
 def save(r):
     """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every
     rank comes here."""
-    state = checkpoint_state(r, all_gather(rng_state(r.device), r.world))
+    state = checkpoint_state(r, cli.all_gather(rng_state(r.device), r.world))
     if r.run_dir:
-        r.run_dir.save(r.model, r.optimizer.state_tensors(), state, r.tokenizer, r.cfg.keep)
-        # the picture and the card are not worth the run: the checkpoint is already written
-        cli.side_job("the loss picture", curves.draw_run, r.run_dir.path)
-        cli.side_job("the model card", lambda: r.run_dir.write_card(progress.card(r, learning_rate)))
-        print(f"saved {r.run_dir.path} at step {r.phase_step}")
+        r.run_dir.save(r.model, r.optimizer.moments, state, r.tokenizer, r.cfg.keep)
+        progress.saved(r, learning_rate)  # its loss picture and model card: warnings if they fail
 
 
 def main(argv=None):
     given, wants_help = flags.parse(sys.argv[1:] if argv is None else argv, Config)
-    if wants_help:
-        chosen = {k: v for k, v in given.items() if k in ("recipe", "phase")}
-        print(flags.help_text(Config, resolve_config(chosen), __doc__))
-        return
+    if wants_help:  # every flag with its default under the recipe and phase given, and its meaning
+        return print(flags.help_text(Config, resolve_config({k: given[k] for k in ("recipe", "phase") if k in given}),
+                                     __doc__))
     r = setup(given)
     try:
         total_steps, signalled, elapsed = train(r)
@@ -639,11 +546,7 @@ def main(argv=None):
         raise flags.out_of_memory(e, r) from None
     finally:
         r.tracker.close()
-    all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
-    if r.rank == 0:
-        progress.summary(r, total_steps, signalled, elapsed, learning_rate)
-        r.run_dir.unlock()
-    if signalled:
-        raise SystemExit(130)  # the shell's code for a run ended by a signal
+    cli.all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
+    progress.finish(r, total_steps, signalled, elapsed, learning_rate)  # the summary, the lock let go, exit 130
 if __name__ == "__main__":
     cli.run(main)

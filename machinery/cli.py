@@ -159,6 +159,16 @@ def rendezvous(rank, world, timeout, script="train.py"):
                          every_rank=True) from None
 
 
+def all_gather(obj, world):
+    """Every rank's obj. A collective: every rank must call it at the same point."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def launcher(script):
     """The words that start `script` again as this process was started: `python SCRIPT`, or torchrun with the
     same processes per machine (from torchrun's variables). `script` is shown relative to the current folder

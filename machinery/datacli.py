@@ -42,6 +42,17 @@ def prepare_demo(prepare, out_dir="data/demo", vocab_size=DEMO_VOCAB):
         return prepare([corpus], tokenizer, out, val_fraction=0.01)
 
 
+def ensure_demo(prepare, data_dir):
+    """train.py's demo corpus: built in data_dir when missing (no download); an error names --data."""
+    if Path(data_dir, "meta.json").exists():
+        return
+    print(f"{data_dir} is missing: building the embedded demo corpus")
+    try:
+        prepare_demo(prepare, data_dir)
+    except InputError as e:  # its message names data.py's flags, not train.py's
+        raise InputError(f"--data={data_dir}: cannot build the demo corpus there ({e})") from None
+
+
 def train_tokenizer(inputs, vocab_size, out, field="text"):
     """Learn a byte-level BPE of vocab_size ids from the documents of inputs and write it to out,
     a tokenizer.json that Hugging Face's AutoTokenizer loads too."""

@@ -213,6 +213,8 @@ def first_changed_rate(old, new, done, per_step, learning_rate):
 def check_new_budget(old, new, state, learning_rate):
     """--resume with another --tokens or --schedule_tokens: the run goes on as if it had been given that budget
     from the start, so the steps it ran must keep their learning rates."""
+    if all(getattr(new, k) == getattr(old, k) for k in BUDGET):
+        return
     per_step = new.batch_size * new.seq_len
     if new.tokens // per_step < state["phase_step"]:
         raise InputError(f"--tokens={new.tokens:,}: the run has trained {state['phase_tokens']:,} tokens "
@@ -317,6 +319,21 @@ def check_val_split(cfg, val_windows):
     if val_windows < cfg.eval_sequences:
         raise InputError(f"{cfg.data}/val.bin holds {val_windows} windows of {cfg.seq_len} tokens, fewer than "
                          f"--eval_sequences={cfg.eval_sequences}; lower it, or prepare with a larger --val_fraction")
+
+
+def check_weights_only(given, how):
+    if given.get("weights_only") and how == "fresh":
+        raise InputError("--weights_only takes the weights of --init_from=<a run of ours>; a fresh model has none "
+                         "to take")
+
+
+def check_all(cfg, how, state, config_cls, allowed, world):
+    """Every check of a resolved configuration before anything is built: where it starts (check_start), each
+    value (check), the trackers (known and installed)."""
+    from machinery import tracking
+    check_start(cfg, how, state, config_cls)
+    check(cfg, allowed, world)
+    tracking.names(cfg.log_to)
 
 
 def check_start(cfg, how, state, config_cls):

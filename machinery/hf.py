@@ -27,12 +27,14 @@ HF_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "hidden_activation"
 ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
 
 
-def check_config(c):
+def check_config(c, activations):
     """InputError naming the first field of config `c` out of range: sizes are checked before anything is
-    allocated. layer_types is checked when given (None: model.py derives it)."""
+    allocated; hidden_activation is one of `activations` (model.py's). layer_types is checked when given (None:
+    model.py derives it)."""
     def require(ok, name, expected):
         if not ok:
             raise InputError(f"{name}={getattr(c, name)!r}: expected {expected}")
+    require(c.hidden_activation in activations, "hidden_activation", f"one of {list(activations)}")
     for name, top in LIMITS.items():
         v = getattr(c, name)
         require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top, name, f"an integer in [1, {top}]")
@@ -58,6 +60,16 @@ def check_config(c):
                 "layer_types", f"a list of num_hidden_layers={c.num_hidden_layers} entries")
         require(all(t in ROPE_FIELDS for t in c.layer_types), "layer_types",
                 f"entries among {', '.join(ROPE_FIELDS)}")
+
+
+def replace_config(c, **overrides):
+    """A copy of config `c` with some fields changed, checked again; an unknown field is named."""
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(c)})
+    if unknown:
+        raise InputError(f"unknown config fields {unknown}")
+    if {"num_hidden_layers", "global_attn_every_n_layers"} & set(overrides):
+        overrides.setdefault("layer_types", None)  # derived again from the new depth
+    return dataclasses.replace(c, **overrides)
 
 
 # -----------------------------------------------------------------------------

@@ -28,14 +28,8 @@ IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and 
 #   attend(q, k, v, local)  q, k, v (..., H, D) in that layout -> (..., H, D)
 #   repad(x)   the blocks' layout -> (B, T, d), padding rows zero
 # token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart
-# when given (None: attention crosses document boundaries). Which key a query may see is model.mask_rule's to say.
-
-
-def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
-    """model.py's rule of which keys a query may see, as keep(b, h, i, j). model.py imports this file: its rule is
-    taken when called."""
-    import model
-    return model.mask_rule(causal, window, local, token_mask, doc_ids)
+# when given (None: attention crosses document boundaries). Which key a query may see is model.py's to say: it
+# hands every backend its rule (`rule`: model.mask_rule) and its attention written out (`reference`).
 
 
 class SDPA:
@@ -55,23 +49,24 @@ class SDPA:
     def computes(device, dtype):  # whether it computes in this dtype on this device
         return True
 
-    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference=None):
         self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
         if token_mask is None and doc_ids is None:  # the same for every batch of this shape: built once
-            self.masks = {local: cached_mask(type(self), T, device, causal, window, local) for local in (False, True)}
+            self.masks = {local: cached_mask(type(self), rule, T, device, causal, window, local)
+                          for local in (False, True)}
         else:
-            self.masks = {local: self.build_mask(T, device, causal, window, local, token_mask, doc_ids)
+            self.masks = {local: self.build_mask(rule, T, device, causal, window, local, token_mask, doc_ids)
                           for local in (False, True)}
 
     @staticmethod
-    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+    def build_mask(rule, T, device, causal, window, local, token_mask=None, doc_ids=None):
         """(B or 1, 1, T, T) bool, or None where SDPA's own (causal) kernel needs no mask."""
         if token_mask is None and doc_ids is None and not local:
             return None
         per_row = token_mask if token_mask is not None else doc_ids
         b = torch.arange(1 if per_row is None else per_row.shape[0], device=device)
         i = torch.arange(T, device=device)
-        keep = mask_rule(causal, window, local, token_mask, doc_ids)
+        keep = rule(causal, window, local, token_mask, doc_ids)
         return keep(b[:, None, None], None, i[None, :, None], i[None, None, :]).view(-1, 1, T, T)
 
     def unpad(self, x):
@@ -106,10 +101,10 @@ class Flex(SDPA):
     trains = auto  # PyTorch 2.13 has no FlexAttention backward on a CPU (NotImplementedError at the first one)
 
     @staticmethod
-    def build_mask(T, device, causal, window, local, token_mask=None, doc_ids=None):
+    def build_mask(rule, T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
         # compiled on CUDA, where eager mask building materialises the whole (B, T, T) mask first
-        return Flex.kernel(create_block_mask, device)(mask_rule(causal, window, local, token_mask, doc_ids),
+        return Flex.kernel(create_block_mask, device)(rule(causal, window, local, token_mask, doc_ids),
                                                       None if per_row is None else per_row.shape[0], None, T, T,
                                                       device=device)
 
@@ -137,10 +132,9 @@ class Reference(SDPA):
     def auto(device):
         return False
 
-    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
-        from model import reference_attention  # model.py imports this file: take it when called
-        self.shape, self.positions, self.attention = (B, T), torch.arange(T, device=device), reference_attention
-        self.keep = {local: mask_rule(causal, window, local, token_mask, doc_ids) for local in (False, True)}
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference):
+        self.shape, self.positions, self.attention = (B, T), torch.arange(T, device=device), reference
+        self.keep = {local: rule(causal, window, local, token_mask, doc_ids) for local in (False, True)}
 
     def attend(self, q, k, v, local):
         return self.attention(q, k, v, self.keep[local])
@@ -164,6 +158,39 @@ def allow_graphs(n):
     """Let dynamo keep n compiled graphs per function. Past its recompile_limit (8 by default) it warns and runs
     the function eager from then on: on a GPU, that is every step at a fraction of the speed."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
+
+
+def backend_for(model, device):
+    """The backend name model.py's model runs with on `device`, in the dtype autocast gives there now (else its
+    weights')."""
+    device = torch.device(device)
+    return pick_backend(device, model.backend, dtype=compute_dtype(device, model.decoder.weight.dtype))
+
+
+def labelled(labels, device):
+    """(positions, labels) of the flattened labels that are not IGNORE_INDEX, on `device`. Labels may stay in host
+    memory while the model is on a GPU: the positions are found on the host, with no device sync, and sent through
+    pinned memory; that is why train.py builds DDP without device_ids (DDP would move the labels first)."""
+    flat = labels.flatten()
+    keep = (flat != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), on the labels' device
+    targets = flat[keep]
+    if keep.device != device:
+        keep, targets = (t.pin_memory().to(device, non_blocking=True) for t in (keep, targets))
+    return keep, targets
+
+
+def compile_blocks(model, backend="inductor"):
+    """torch.compile each block of model.py's model (regional compilation): blocks of one kind share their graphs,
+    so a deep model compiles as fast as a shallow one."""
+    # Every block runs the one Block.forward, whose graphs dynamo keeps together. A run needs one per block kind
+    # (layer 0 without attn_norm, global, local) and mode (training; MLM and CLM validation, without grad and with
+    # other masks), each compiled for its first shapes and once more with the sizes that then changed made dynamic
+    # (the unpadded token count, a short last validation batch).
+    kinds = len({(type(b.attn_norm), b.local) for b in model.model.layers})
+    allow_graphs(kinds * 3 * 2)
+    for block in model.model.layers:
+        block.compile(backend=backend)
+    model.compiled_with = backend
 
 
 def compute_dtype(device, weights=torch.float32):
@@ -190,7 +217,8 @@ class Flash:
     def computes(device, dtype):  # its CUDA kernels take bf16 and fp16 only (the CPU test double takes fp32 too)
         return device.type != "cuda" or dtype in (torch.bfloat16, torch.float16)
 
-    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None):
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule=None, reference=None):
+        # the rule as sequence lengths and a window: flash-attn takes no mask (tests hold it equal to the rule)
         self.shape, self.causal, self.window = (B, T), causal, window
         self.keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)  # (N,)
         self.positions = self.unpad(torch.arange(T, device=device).expand(B, T))

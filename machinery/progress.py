@@ -6,10 +6,11 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from machinery import flags
+from machinery import cli, flags, kernels
 from machinery.cli import InputError, autocast, launcher, read_json
 from machinery.curves import run_dir_of
 from machinery.rundir import ROOT, RunDir, continuation_dir, latest_state
@@ -34,6 +35,31 @@ def peak_flops(device):
 # What each field of train.py's Carries (a row of STARTS) is called in a run's first line.
 CARRIED = dict(weights="weights", moments="Adam's moments", adam_t="Adam's t", data_position="data position",
                rng="RNG streams", history="the runs before it", phase="the phase's step and tokens")
+
+
+@dataclass
+class Run:
+    """Everything train.py's loop reads and changes, built once by its setup()."""
+    cfg: object  # train.py's Config
+    how: str  # a row of STARTS: fresh | weights | handoff | resume
+    model: object  # model.py's ModernBERT
+    ddp_model: torch.nn.Module  # the model itself on one process
+    optimizer: object  # train.py's AdamW
+    loader: object  # data.py's Loader
+    frozen: set  # parameter names the optimizer skips
+    meta: dict  # the data's meta.json
+    tokenizer: object
+    run_dir: RunDir  # None on ranks other than 0: rank 0 writes
+    tracker: object  # machinery/tracking.py's Trackers: --log_to: rank 0's, none on the others
+    device: torch.device
+    rank: int
+    world: int
+    accum: int  # micro-batches per optimizer step on each process
+    phase_step: int  # optimizer steps of this phase (Adam's t counts every phase: optimizer.t)
+    phase_tokens: int  # tokens of this phase
+    schedule_start: int  # tokens of the schedule run before this phase
+    history: list  # the runs this one continues: [{phase, tokens, dir}]
+    code: dict  # the code version, saved with every checkpoint
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -82,7 +108,7 @@ def plan(r, total_steps):
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {r.device}{gpu}, {r.world} "
           f"process(es), {torch.get_num_threads()} CPU thread(s) each (--threads)")
     with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
-        backend = r.model.attention_backend(r.device)
+        backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
     print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}")
     objective = "CLM, causal mask" if cfg.objective == "clm" else f"MLM at {cfg.mask_rate:.0%}, bidirectional"
@@ -213,6 +239,24 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
 
 # -----------------------------------------------------------------------------
 # The model card: OUT/README.md in Hugging Face's format, rewritten at each save (rundir.write_card) until edited.
+
+
+def saved(r, learning_rate):
+    """After a checkpoint: the loss picture and the model card, side jobs (a failure is a warning, the checkpoint is
+    written already), and the line that says so."""
+    from machinery.curves import draw_run
+    cli.side_job("the loss picture", draw_run, r.run_dir.path)
+    cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
+    print(f"saved {r.run_dir.path} at step {r.phase_step}")
+
+
+def finish(r, total_steps, signalled, elapsed, learning_rate):
+    """Rank 0's summary and the run's lock let go; exit status 130 (the shell's for a signal) if one stopped it."""
+    if r.rank == 0:
+        summary(r, total_steps, signalled, elapsed, learning_rate)
+        r.run_dir.unlock()
+    if signalled:
+        raise SystemExit(130)
 
 
 def card(r, learning_rate):

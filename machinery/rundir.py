@@ -80,8 +80,8 @@ class RunDir:
     # ---- which folder is a run, and whose -------------------------------------------------------------
 
     @classmethod
-    def create(cls, path):
-        """A new run in `path` (made if missing). Refuses a run that holds a checkpoint, a folder a run would
+    def create(cls, path, locked=False):
+        """A new run in `path` (made if missing), locked when asked. Refuses a run that holds a checkpoint, a folder a run would
         overwrite, a file. A run of ours that stopped before its first checkpoint is started over (its lock
         still keeps two processes apart)."""
         path = os.path.normpath(path)
@@ -93,7 +93,7 @@ class RunDir:
             if run.latest_state() is not None:
                 raise InputError(f"{path} already holds a run of train.py with checkpoints; pass --resume to "
                                  f"continue it, or choose another --out_dir")
-            return run
+            return run.locked() if locked else run
         clash = [name for name in OUTPUTS if os.path.lexists(os.path.join(path, name))]
         if clash:
             raise InputError(f"{path} holds {clash[0]} but no {RUN_FILE}: it is not a run of train.py, and a new "
@@ -116,7 +116,8 @@ class RunDir:
             raise InputError(f"{path}: cannot write a run there ({e.strerror or e})") from None
         finally:
             _remove_file(tmp)
-        return cls(path, run_id)
+        run = cls(path, run_id)
+        return run.locked() if locked else run
 
     @classmethod
     def open(cls, path):
@@ -168,6 +169,11 @@ class RunDir:
         return [folder for *_, folder in sorted(found, reverse=True)]
 
     # ---- the lock -------------------------------------------------------------------------------------------
+
+    def locked(self):
+        """This run, locked (lock)."""
+        self.lock()
+        return self
 
     def lock(self):
         """An exclusive lock on OUT/.lock, held until unlock() or the process ends."""
@@ -260,10 +266,11 @@ class RunDir:
 
     # ---- the save ------------------------------------------------------------------------------------------
 
-    def save(self, model, optimizer_tensors, state, tokenizer, keep):
-        """Write a checkpoint of `state` (state["phase_step"] names it), make OUT's Hugging Face files
-        copies of its own, keep this run's `keep` newest checkpoints. Any failure (a full disk) leaves OUT as it
-        was and raises one InputError. Returns the checkpoint's folder."""
+    def save(self, model, moments, state, tokenizer, keep):
+        """Write a checkpoint of `state` (state["phase_step"] names it) and of Adam's `moments` ({name: (m, v)}),
+        make OUT's Hugging Face files copies of its own, keep this run's `keep` newest checkpoints. Any failure (a
+        full disk) leaves OUT as it was and raises one InputError. Returns the checkpoint's folder."""
+        optimizer_tensors = moment_tensors(moments)
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
         step = validate_state({**state, "files": {}}, "the state to save")["phase_step"]
@@ -783,3 +790,70 @@ class GracefulStop:
         if self.requested:
             raise Stop("a second signal: stopped at once; the newest checkpoint is the run's last", signum)
         self.requested, self.signal_name = True, signal.Signals(signum).name
+
+
+# ---- where a run starts: the run it resumes or continues, and Adam's moments -----------------------------------
+
+
+def resume_from(out_dir, master, share, phases, fields):
+    """(run directory, newest complete checkpoint's state) of the run --resume continues: rank 0 opens and locks
+    it, `share` hands its state to every rank (a collective)."""
+    if not RunDir.is_run(out_dir):
+        raise InputError(f"--resume needs --out_dir=<a run directory of train.py>; {out_dir or 'none'} holds no "
+                         f"{RUN_FILE}")
+    run_dir = RunDir.open(os.path.normpath(out_dir)) if master else None
+    if run_dir:
+        run_dir.lock()
+    state = share(run_dir.latest_state(phases, fields) if master else None)
+    if state is None:
+        raise InputError(f"--resume --out_dir={out_dir}: no complete checkpoint there yet")
+    return run_dir, state
+
+
+def newest_state(init_from, phases, fields):
+    """The newest complete checkpoint's state of --init_from when it is a run of ours, else None."""
+    if not RunDir.is_run(init_from):
+        return None
+    state = RunDir.open(init_from).latest_state(phases, fields)
+    if state is None:
+        raise InputError(f"--init_from={init_from}: that run has no complete checkpoint yet")
+    return state
+
+
+def checkpoint_dir(init_from, state):
+    """The folder a run takes its config.json and weights from: one of our runs' newest complete checkpoint
+    (`state`), or a Hugging Face directory or hub id."""
+    from machinery.hf import resolve_checkpoint
+    if state is not None:
+        return state["dir"]
+    try:
+        return resolve_checkpoint(init_from)
+    except InputError as e:
+        raise InputError(f"--init_from={init_from}: {e}") from None
+
+
+def moment_tensors(moments):
+    """Adam's moments ({name: (m, v)}) as the tensors optimizer.safetensors holds."""
+    return {f"{kind}.{name}": t for name, pair in moments.items() for kind, t in zip(("exp_avg", "exp_avg_sq"), pair)}
+
+
+def load_moments(moments, checkpoint, device):
+    """Adam's moments ({name: (m, v)}, filled in place) from a checkpoint's optimizer.safetensors, whose names must
+    be the model's."""
+    from safetensors.torch import load_file
+    path = os.path.join(checkpoint, OPTIMIZER)
+    tensors, want = load_file(path, device=str(device)), set(moment_tensors(moments))
+    if set(tensors) != want:
+        raise InputError(f"{path} does not match the model: missing {sorted(want - set(tensors))[:5]}, unexpected "
+                         f"{sorted(set(tensors) - want)[:5]}")
+    for name, (m, v) in moments.items():
+        m.copy_(tensors[f"exp_avg.{name}"])
+        v.copy_(tensors[f"exp_avg_sq.{name}"])
+
+
+def default_dir(recipe, phase, init_from):
+    """A run's --out_dir when none is given: out/<phase> at the paper's recipe, out/<recipe>-<phase> at the others;
+    a run that continues one of ours is named after it (out/demo-mlm-clm)."""
+    if RunDir.is_run(init_from):
+        return continuation_dir(init_from, phase)
+    return f"out/{phase}" if recipe == "paper" else f"out/{recipe}-{phase}"

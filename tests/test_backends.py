@@ -56,7 +56,8 @@ def attend(name, qkv, causal, local, token_mask, doc_ids, out_grad=None, dtype=t
     """One layer's attention through the backend `name`, in `dtype`: the output on the real tokens (B*T real,
     H*D) in fp32, and (with out_grad) the gradients of q, k and v, fp32, backpropagated from the real tokens."""
     B, T = qkv[0].shape[:2]
-    attn = kernels.BACKENDS[name](B, T, qkv[0].device, causal, WINDOW, token_mask, doc_ids)
+    attn = kernels.BACKENDS[name](B, T, qkv[0].device, causal, WINDOW, token_mask, doc_ids, rule=M.mask_rule,
+                                  reference=M.reference_attention)
     leaves = [t.detach().to(dtype).requires_grad_(out_grad is not None) for t in qkv]  # fresh leaves, fresh grads
     out = attn.repad(attn.attend(*(attn.unpad(t) for t in leaves), local).flatten(-2))  # (B, T, H*D)
     real = torch.ones(B, T, dtype=torch.bool, device=out.device) if token_mask is None else token_mask
@@ -198,7 +199,7 @@ def test_masks_are_built_without_host_syncs(kind):
     token_mask = torch.ones(B, T, dtype=torch.bool, device="meta")
     doc_ids = torch.zeros(B, T, dtype=torch.long, device="meta")
     for causal in (False, True):
-        attn = kind(B, T, torch.device("meta"), causal, 64, token_mask, doc_ids)
+        attn = kind(B, T, torch.device("meta"), causal, 64, token_mask, doc_ids, rule=M.mask_rule)
         assert set(attn.masks) == {False, True}
     with pytest.raises((RuntimeError, NotImplementedError)):  # the detector works: a sync does raise here
         token_mask.nonzero()
@@ -344,7 +345,7 @@ def test_compiled_blocks_take_flex_attention_into_their_graphs(monkeypatch):
     model = tiny_model().eval()
     model.backend = "flex"
     counter = CompileCounter()
-    model.compile_blocks(counter)
+    kernels.compile_blocks(model, counter)
     ids = torch.randint(0, 256, (2, 160), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(2):

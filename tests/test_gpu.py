@@ -33,6 +33,7 @@ import bench
 import data
 import train
 from conftest import BYTE_IDS, ROOT, children, tiny_model, torch_adamw_oracle
+from machinery import kernels
 from machinery.cli import autocast
 from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig
 from test_backends import LAYOUTS, attend, attention_case, largest_difference
@@ -192,7 +193,7 @@ def test_compiled_blocks_match_eager_and_never_recompile(backend):
     counters.clear()
     eager, compiled = tiny_model().to(CUDA).train(), tiny_model().to(CUDA).train()
     eager.backend = compiled.backend = backend
-    compiled.compile_blocks()
+    kernels.compile_blocks(compiled)
     kinds = len({(i == 0, block.local) for i, block in enumerate(compiled.model.layers)})  # 0, global, local
     g = torch.Generator().manual_seed(0)
     graphs = []
@@ -356,7 +357,7 @@ def ddp_losses(device, group_backend, compiler, steps=3, accum=2):
         torch._dynamo.reset()
         model = tiny_model().to(device).train()
         if compiler:
-            model.compile_blocks(compiler)
+            kernels.compile_blocks(model, compiler)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer, g, losses = train.AdamW(model.param_groups(), 1e-3), torch.Generator().manual_seed(0), []
         for _ in range(steps):

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from machinery import kernels
 from machinery.cli import InputError
 from machinery.kernels import SDPA, linear_cross_entropy
-from model import IGNORE_INDEX, ModernBERT, ModernBERTConfig
+from model import IGNORE_INDEX, ModernBERT, ModernBERTConfig, mask_rule
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,16 +185,16 @@ def test_causal_outputs_do_not_see_the_future_in_any_layer():
     other = ids.clone()
     other[:, t + 1:] = torch.randint(0, 256, (2, T - t - 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        a = model.hidden_states(ids, causal=True)
-        b = model.hidden_states(other, causal=True)
-        bidirectional = model.hidden_states(other)
+        a = model.encode(ids, causal=True, all_layers=True)
+        b = model.encode(other, causal=True, all_layers=True)
+        bidirectional = model.encode(other, all_layers=True)
     assert len(a) == model.config.num_hidden_layers
     for layer, (x, y) in enumerate(zip(a, b)):
         assert (x[:, :t + 1] - y[:, :t + 1]).abs().max().item() <= 1e-6, f"layer {layer} saw the future"
         assert (x[:, t + 1:] - y[:, t + 1:]).abs().max().item() > 1e-3  # the change itself is visible
     # ...while bidirectional attention does propagate the change backwards
-    assert (a[-1][:, :t + 1] - model.hidden_states(ids)[-1][:, :t + 1]).abs().max() > 1e-3
-    assert (bidirectional[0][:, :t + 1] - model.hidden_states(ids)[0][:, :t + 1]).abs().max() > 1e-3
+    assert (a[-1][:, :t + 1] - model.encode(ids, all_layers=True)[-1][:, :t + 1]).abs().max() > 1e-3
+    assert (bidirectional[0][:, :t + 1] - model.encode(ids, all_layers=True)[0][:, :t + 1]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -204,7 +204,7 @@ def test_local_window_reaches_exactly_64_tokens_back(causal):
     assert model.config.window == 64
     T, i = 260, 150
     x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    masks = SDPA(1, T, x.device, causal, model.config.window)
+    masks = SDPA(1, T, x.device, causal, model.config.window, rule=mask_rule)
     ropes = {loc: model_rope(model, T, loc) for loc in (False, True)}
 
     def moved(j):  # how much the attention output at i changes when input j is perturbed, in one local layer

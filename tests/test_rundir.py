@@ -38,8 +38,10 @@ def small_model(step):
 
 
 def moments(model, step):
+    """Adam's moments as the optimizer holds them: {name: (m, v)}."""
     gen = torch.Generator().manual_seed(step)
-    return {f"exp_avg.{n}": torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    return {n: (torch.randn(p.shape, generator=gen), torch.rand(p.shape, generator=gen))
+            for n, p in model.named_parameters()}
 
 
 def make_state(step, phase="mlm"):
@@ -90,8 +92,9 @@ def check_checkpoint(state, step):
         if name in weights:
             assert torch.equal(weights[name], p), name
     optimizer = load_file(os.path.join(state["dir"], "optimizer.safetensors"))
-    assert optimizer.keys() == moments(model, step).keys()
-    assert all(torch.equal(optimizer[k], v) for k, v in moments(model, step).items())
+    want = rundir.moment_tensors(moments(model, step))
+    assert optimizer.keys() == want.keys() and len(want) == 2 * len(dict(model.named_parameters()))
+    assert all(torch.equal(optimizer[k], v) for k, v in want.items())
 
 
 # ---- ownership: what a save and a resume may touch ---------------------------------------------------------
@@ -735,7 +738,7 @@ def test_a_non_finite_weight_or_moment_is_never_saved(tmp_path):
     before = tree(run.path)
     model = copy.deepcopy(small_model(2))  # poisoned below: not the cached one
     bad = moments(model, 2)
-    next(iter(bad.values()))[0] = float("nan")
+    next(iter(bad.values()))[0].view(-1)[0] = float("nan")
     with pytest.raises(InputError, match="non-finite values in exp_avg.* at step 2.*step-00000001 is intact"):
         run.save(model, bad, make_state(2), TOKENIZER, keep=3)
     with torch.no_grad():

@@ -198,7 +198,8 @@ def test_a_picture_or_card_that_fails_is_a_warning_and_the_checkpoints_are_kept(
     """Not OSError alone: whatever the plotting or the card's text raises costs a warning, never a step."""
     def fails(*args):
         raise ValueError("a bug in the drawing")
-    monkeypatch.setattr(*((train.curves, "draw_run") if broken == "picture" else (train.progress, "card")), fails)
+    from machinery import curves
+    monkeypatch.setattr(*((curves, "draw_run") if broken == "picture" else (train.progress, "card")), fails)
     out = tmp_path / "run"
     train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL])
     what = {"picture": "the loss picture", "card": "the model card"}[broken]
