@@ -149,8 +149,8 @@ def latest_state(run_dir):
 
 def run_series(run_dir):
     """run_dir's log and the logs of the runs it continues (its newest checkpoint's history), on one token
-    axis: a list of segments {phase, run_dir, offset, train, val}, oldest first; each record's tokens count
-    from the start of the first phase."""
+    axis: a list of segments {phase, run_dir, offset, objective, train, val}, oldest first; each record's tokens
+    count from the start of the first phase."""
     state = latest_state(run_dir) or {}
     return series(run_dir, state.get("history", []), state.get("phase"), state.get("config"))
 
@@ -241,7 +241,7 @@ def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     for colour, objective in zip(TRAIN_COLOURS, objectives(segments)):  # a loss per objective and masking rate
         plot(loss_ax, [s for s in segments if s["objective"] == objective], "train", "loss",
-             f"train loss, {objective}", color=colour, alpha=0.35, lw=0.8)
+             f"train loss, {objective}", color=colour, alpha=0.5, lw=0.8)
     plot(loss_ax, segments, "val", "val_mlm", VALIDATION["val_mlm"], color="C1", marker="o", ms=4)
     plot(loss_ax, segments, "val", "val_clm", VALIDATION["val_clm"], color="C2", marker="s", ms=4)
     plot(lr_ax, segments, "train", "lr", "learning rate of each step", steps=True, color="C3")

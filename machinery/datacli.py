@@ -1,7 +1,6 @@
 """data.py's command line, its demo corpus (the standard library's docstrings and a BPE learned from them), the
 miniature's new domain (the standard library's code) and the BPE trainer's command: how the lesson's steps are
-called, not what they teach. A reader of the recipe may skip this
-file; data.py hands it its prepare()."""
+called, not what they teach. A reader of the recipe may skip this file; data.py hands it its prepare()."""
 import argparse
 import sys
 import tempfile

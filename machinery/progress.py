@@ -127,7 +127,7 @@ def plan(r, total_steps):
     for line in tracking.where(cfg.log_to, cfg.out_dir):
         print(f"tracked: {line}")
     if seen + epochs > 4:
-        print(f"warning: the budget is {epochs:,.0f} epochs of {cfg.data}" + (f", {seen + epochs:,.1f} with the runs "
+        print(f"warning: the budget is {epochs:,.1f} epochs of {cfg.data}" + (f", {seen + epochs:,.1f} with the runs "
               f"before it" if seen else "") + ": the model will memorise it; lower --tokens or prepare more data")
 
 
