@@ -205,8 +205,8 @@ def cka_summary(per_seed):
               for layer, b in enumerate(bands)]
     r["controls"] = {"divergence": controls.tolist(), "k": len(controls),
                      "mean": [b["mean"] for b in bands], "sd": [b["sd"] for b in bands]}
-    r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands],
-                 "rule": BAND_RULE}
+    r["band"] = {"bound": [b["bound"] if b["bound"] is None else min(1.0, b["bound"]) for b in bands],  # 1 - CKA <= 1
+                 "outside": [b["outside"] for b in bands], "rule": BAND_RULE}
     r["ratio"] = {key: [x[i] for x in ratios] for i, key in enumerate(("mean", "low", "high"))}
     if all(b["mean"] >= 1e-12 for b in bands) and L > 1:
         r["trend"] = trend(each / np.array([b["mean"] for b in bands]))

@@ -60,8 +60,8 @@ def cka_markdown(r):
     note = ("" if band["bound"][0] is not None else
             f" With {c['k']} control(s) there is no spread to bound: the rule needs at least 2.")
     lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its t interval over the {m} replicates (the "
-                  f"controls' mean taken as known; clipped at 0, as the ratio cannot go below). 1 - CKA's interval is "
-                  f"clipped to [0, 1], the range of 1 - CKA: with few replicates the t interval reaches past it. "
+                  f"controls' mean taken as known; clipped at 0, as the ratio cannot go below). 1 - CKA's interval, and "
+                  f"the bound, are clipped to [0, 1], the range of 1 - CKA: with few runs t reaches past it. "
                   f"{band['rule']}.{note}"]
     if r.get("trend"):
         tr = r["trend"]
