@@ -191,7 +191,7 @@ def cka_summary(per_seed):
     draws, m, L = pairs.shape
     each = pairs.mean(0)  # (m, L)
     draw_sd = pairs.mean(1).std(0, ddof=1) if draws > 1 else np.zeros(L)
-    spread = [t_interval(each[:, layer]) for layer in range(L)]
+    spread = [t_interval(each[:, layer], bounds=(0.0, 1.0)) for layer in range(L)]  # clipped to 1 - CKA's range
     r = {"layers": list(range(L)), "replicates": m, "draws": draws,
          "cka": (1 - pairs).mean((0, 1)).tolist(), "divergence": each.mean(0).tolist(),
          "divergence_replicates": each.tolist(), "divergence_low": [s[1] for s in spread],
@@ -201,12 +201,12 @@ def cka_summary(per_seed):
         return r
     controls = 1 - controls.mean(0)  # (k, L)
     bands = [band(each[:, layer], controls[:, layer], draw_sd[layer], draws) for layer in range(L)]
-    ratios = [t_interval(each[:, layer] / b["mean"]) if b["mean"] >= 1e-12 else (None,) * 3
+    ratios = [t_interval(each[:, layer] / b["mean"], bounds=(0.0, math.inf)) if b["mean"] >= 1e-12 else (None,) * 3
               for layer, b in enumerate(bands)]
     r["controls"] = {"divergence": controls.tolist(), "k": len(controls),
                      "mean": [b["mean"] for b in bands], "sd": [b["sd"] for b in bands]}
-    r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands],
-                 "rule": BAND_RULE}
+    r["band"] = {"bound": [b["bound"] if b["bound"] is None else min(1.0, b["bound"]) for b in bands],  # 1 - CKA <= 1
+                 "outside": [b["outside"] for b in bands], "rule": BAND_RULE}
     r["ratio"] = {key: [x[i] for x in ratios] for i, key in enumerate(("mean", "low", "high"))}
     if all(b["mean"] >= 1e-12 for b in bands) and L > 1:
         r["trend"] = trend(each / np.array([b["mean"] for b in bands]))

@@ -84,6 +84,7 @@ class Config:
     license: str = ""  # a Hugging Face license id (apache-2.0, mit, ...); empty: none stated
     language: str = ""  # the data's language codes (en, or en,de); empty: none stated
     base_model: str = ""  # a hub id; empty: --init_from's hub id, or the base of the run it continues
+    hub_id: str = ""  # where the model will be published (USER/NAME): the card's "Use" loads it; empty: a placeholder
     # hardware
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes

@@ -52,15 +52,17 @@ def t_quantile(p, df):
     return (low + high) / 2
 
 
-def t_interval(values):
+def t_interval(values, bounds=(-math.inf, math.inf)):
     """(mean, low, high): the mean of independent values and its 95% t interval (low and high None for a single
-    value: its spread is unknown)."""
+    value: its spread is unknown). A quantity that lives in `bounds` (1 - CKA in [0, 1], an accuracy) has its
+    interval clipped to them: with few values t's interval reaches past them, and what lies beyond is impossible,
+    not uncertain (clipping drops only those values, so the interval covers as often as before)."""
     v = np.asarray(values, np.float64)
     mean = float(v.mean())
     if len(v) < 2:
         return mean, None, None
     half = t_quantile(0.975, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
-    return mean, mean - half, mean + half
+    return mean, max(bounds[0], mean - half), min(bounds[1], mean + half)
 
 
 # ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import os
 import sys
 
 from machinery import rundir
-from machinery.cli import InputError, Parser, check_outputs, run
+from machinery.cli import InputError, Parser, check_outputs, read_json, run
 
 _said = set()  # the messages this process has printed: each is said once, however often the trainer draws
 
@@ -81,22 +81,51 @@ def parent_log(folder, run_dir):
     return None
 
 
-def segment(phase, run_dir, offset, records, until=None):
-    """One phase's records, their tokens moved by `offset` (the tokens of the phases before it). A parent's
-    records stop where the child took over (`until`): a parent trained on after the hand-off is not drawn on."""
+def saved_config(folder, found=None):
+    """The configuration a run of a chain trained with: the state.json of `folder` (the checkpoint it was left
+    at), else the newest checkpoint of its run directory, else of `found` (where its log was found); {} where
+    none is readable (moved, deleted or damaged since)."""
+    try:
+        return read_json(os.path.join(folder, rundir.STATE))["config"]
+    except (InputError, KeyError, TypeError):
+        pass
+    for place in filter(None, (run_dir_of(folder), found)):
+        try:
+            return rundir.RunDir.open(place).latest_state()["config"]
+        except (InputError, KeyError, TypeError):
+            continue
+    return {}
+
+
+def objective_of(config, phase):
+    """What a phase's train loss measures, from its configuration: the objective, and MLM's masking rate (a loss
+    at 30% masked is not one at 15%); the phase's name where no configuration is left."""
+    if config.get("objective") == "clm":
+        return "CLM (next token)"
+    if config.get("objective") == "mlm":
+        return f"MLM, {config['mask_rate']:.0%} masked"
+    return f"{phase} phase"
+
+
+def segment(phase, run_dir, offset, records, until=None, config=None):
+    """One phase's records, their tokens moved by `offset` (the tokens of the phases before it), and what its
+    train loss measures. A parent's records stop where the child took over (`until`): a parent trained on after
+    the hand-off is not drawn on. A continued run's validation at its step 0 is its first point, at `offset`."""
     kept = [{**r, "tokens": r["tokens"] + offset} for r in records if until is None or r["tokens"] <= until]
-    return dict(phase=phase, run_dir=run_dir, offset=offset,
+    return dict(phase=phase, run_dir=run_dir, offset=offset, objective=objective_of(config or {}, phase),
                 train=[r for r in kept if "loss" in r], val=[r for r in kept if "val_mlm" in r or "val_clm" in r])
 
 
-def series(run_dir, history=(), phase=None):
+def series(run_dir, history=(), phase=None, config=None):
     """The segments of run_dir, oldest first: one per entry of `history` ({phase, tokens, dir} of the runs it
-    continues, oldest first) and its own last. A missing parent log leaves its segment empty, not its tokens."""
+    continues, oldest first) and its own last (`config`: its configuration). A missing parent log leaves its
+    segment empty, not its tokens."""
     segments, offset = [], 0
     for entry in history:
         log = parent_log(entry["dir"], run_dir)
+        config_then = saved_config(entry["dir"], log and os.path.dirname(log))
         segments.append(segment(entry["phase"], run_dir_of(entry["dir"]), offset, read_log(log) if log else [],
-                                until=entry["tokens"]))
+                                until=entry["tokens"], config=config_then))
         offset += entry["tokens"]
     log = os.path.join(run_dir, "log.jsonl")
     records = []
@@ -105,7 +134,7 @@ def series(run_dir, history=(), phase=None):
     else:
         say_once(f"warning: {log} is missing: the picture has no curve of {run_dir} itself")
     phase = phase or next((r["phase"] for r in records if "phase" in r), None)
-    return segments + [segment(phase, os.path.normpath(run_dir), offset, records)]
+    return segments + [segment(phase, os.path.normpath(run_dir), offset, records, config=config)]
 
 
 def latest_state(run_dir):
@@ -120,10 +149,10 @@ def latest_state(run_dir):
 
 def run_series(run_dir):
     """run_dir's log and the logs of the runs it continues (its newest checkpoint's history), on one token
-    axis: a list of segments {phase, run_dir, offset, train, val}, oldest first; each record's tokens count
-    from the start of the first phase."""
+    axis: a list of segments {phase, run_dir, offset, objective, train, val}, oldest first; each record's tokens
+    count from the start of the first phase."""
     state = latest_state(run_dir) or {}
-    return series(run_dir, state.get("history", []), state.get("phase"))
+    return series(run_dir, state.get("history", []), state.get("phase"), state.get("config"))
 
 
 # -----------------------------------------------------------------------------
@@ -157,13 +186,23 @@ def save(fig, out_png):
     return out_png
 
 
-def plot(ax, segments, part, key, label, **style):
-    """record[key] against tokens, a line per segment (a missing parent leaves a gap, never a bridge)."""
+def plot(ax, segments, part, key, label, steps=False, **style):
+    """record[key] against tokens, a line per segment (a missing parent leaves a gap, never a bridge). With
+    steps, each record's value is held over the tokens of the step it logs, from the segment's start: a learning
+    rate is the one a step trained at, so a phase of one step is one flat step, never a point or a slope."""
     for seg in segments:
         points = [(r["tokens"], r[key]) for r in seg[part] if is_number(r.get(key))]
+        if points and steps:
+            points = [(seg["offset"], points[0][1]), *points]
+            style = dict(style, drawstyle="steps-pre")  # y_i over (x_i-1, x_i]: the step that ends at x_i
         if points:
             ax.plot(*zip(*points), label=label, **style)
             label = "_nolegend_"  # one legend entry per series
+
+
+def objectives(segments):
+    """The train losses' objectives of segments, in order of first appearance."""
+    return list(dict.fromkeys(seg["objective"] for seg in segments))
 
 
 def mark_switches(axes, segments, label, names=False, **style):
@@ -197,13 +236,15 @@ def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
     segments = run_series(run_dir)
     # fixed margins: a constrained layout doubles the cost of a picture redrawn at every checkpoint
     width, height = figsize  # margins in inches, so a small picture keeps its labels
-    fig.subplots_adjust(left=0.8 / width, right=1 - 1.9 / width, bottom=0.55 / height, top=1 - 0.35 / height,
+    fig.subplots_adjust(left=0.8 / width, right=1 - 2.5 / width, bottom=0.55 / height, top=1 - 0.35 / height,
                         hspace=0.12)  # the legends go in the right margin, never over the last points
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
-    plot(loss_ax, segments, "train", "loss", "train loss", color="C0", alpha=0.35, lw=0.8)
-    plot(loss_ax, segments, "val", "val_mlm", "validation MLM loss", color="C1", marker="o", ms=4)
-    plot(loss_ax, segments, "val", "val_clm", "validation CLM loss", color="C2", marker="s", ms=4)
-    plot(lr_ax, segments, "train", "lr", "learning rate", color="C3")
+    for colour, objective in zip(TRAIN_COLOURS, objectives(segments)):  # a loss per objective and masking rate
+        plot(loss_ax, [s for s in segments if s["objective"] == objective], "train", "loss",
+             f"train loss, {objective}", color=colour, alpha=0.5, lw=0.8)
+    plot(loss_ax, segments, "val", "val_mlm", VALIDATION["val_mlm"], color="C1", marker="o", ms=4)
+    plot(loss_ax, segments, "val", "val_clm", VALIDATION["val_clm"], color="C2", marker="s", ms=4)
+    plot(lr_ax, segments, "train", "lr", "learning rate of each step", steps=True, color="C3")
     mark_switches([loss_ax, lr_ax], segments, "phase switch", names=True, color="k", ls=":", lw=1)
     loss_ax.set(title=run_name(run_dir), ylabel="loss (nats per token)")
     lr_ax.set_ylabel("learning rate")
@@ -215,13 +256,16 @@ def draw_run(run_dir, out_png=None, figsize=(9, 6), dpi=100):
     return save(fig, out_png or os.path.join(run_dir, "loss.png"))
 
 
-PANELS = (("val", "val_mlm", "validation MLM loss"), ("val", "val_clm", "validation CLM loss"),
-          ("train", "loss", "train loss"))
+# Validation measures every run alike, whatever it trains (train.validation_losses).
+VALIDATION = {"val_mlm": "validation MLM loss (15% masked)", "val_clm": "validation CLM loss (next token)"}
+TRAIN_COLOURS = ("C0", "C4", "C5", "C6", "C7", "C8", "C9")  # C1-C3 are validation's and the learning rate's
 
 
-def draw_runs(run_dirs, out_png, names=None, figsize=(10, 9), dpi=100):
-    """Several runs on shared axes: validation MLM, validation CLM and train loss against tokens, one colour per
-    run in every panel (line styles change after 10 runs). Returns out_png, or None without matplotlib."""
+def draw_runs(run_dirs, out_png, names=None, figsize=None, dpi=100):
+    """Several runs on shared axes: validation MLM and CLM losses, then the train loss of each objective and
+    masking rate on a panel of its own (a CLM loss and an MLM loss at 30% are not one quantity), against tokens,
+    one colour per run in every panel (line styles change after 10 runs). figsize: (10, 2.6 per panel) by
+    default. Returns out_png, or None without matplotlib."""
     for folder in run_dirs:
         if not os.path.isfile(os.path.join(folder, "log.jsonl")):
             raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
@@ -232,23 +276,26 @@ def draw_runs(run_dirs, out_png, names=None, figsize=(10, 9), dpi=100):
         names = [run_name(d) for d in run_dirs]
         if len(set(names)) < len(names):  # out/a/clm and out/b/clm: the paths tell them apart
             names = [os.path.normpath(d) for d in run_dirs]
-    fig = new_figure(figsize, dpi, layout="constrained")  # room for the legend beside the panels
+    every = [run_series(run_dir) for run_dir in run_dirs]
+    panels = [("val", key, None) for key in VALIDATION]
+    panels += [("train", "loss", objective) for objective in objectives([s for run in every for s in run])]
+    fig = new_figure(figsize or (10, 2.6 * len(panels)), dpi, layout="constrained")  # room for the legend
     if fig is None:
         return None
-    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    axes = fig.subplots(len(panels), 1, sharex=True)
     switches = False
-    for i, (run_dir, name) in enumerate(zip(run_dirs, names)):
-        segments = run_series(run_dir)
+    for i, (segments, name) in enumerate(zip(every, names)):
         colour = dict(color=f"C{i % 10}", ls=("-", "--", "-.")[i // 10 % 3])
-        for ax, (part, key, _) in zip(axes, PANELS):
+        for ax, (part, key, objective) in zip(axes, panels):
             style = dict(marker="o", ms=3) if part == "val" else dict(alpha=0.6, lw=0.8)
-            plot(ax, segments, part, key, name, **colour, **style)
+            mine = [s for s in segments if objective in (None, s["objective"])]
+            plot(ax, mine, part, key, name, **colour, **style)
         mark_switches(axes, segments, None, color=colour["color"], ls=":", lw=1)
         switches |= len(segments) > 1
     if switches:
         axes[0].plot([], [], color="grey", ls=":", label="phase switch (in its run's colour)")
-    for ax, (_, _, title) in zip(axes, PANELS):
-        ax.set_ylabel(f"{title}\n(nats per token)")
+    for ax, (_, key, objective) in zip(axes, panels):
+        ax.set_ylabel(f"{VALIDATION.get(key) or 'train loss, ' + objective}\n(nats per token)", fontsize="small")
     axes[0].set_title("runs compared: one colour per run in every panel")
     tokens_axis(axes[-1])
     legend = {}  # label -> handle, from every panel: a run may have train records and no validation yet

@@ -1,6 +1,6 @@
-"""data.py's command line, its demo corpus (the standard library's docstrings and a BPE learned from them) and the
-BPE trainer's command: how the lesson's steps are called, not what they teach. A reader of the recipe may skip this
-file; data.py hands it its prepare()."""
+"""data.py's command line, its demo corpus (the standard library's docstrings and a BPE learned from them), the
+miniature's new domain (the standard library's code) and the BPE trainer's command: how the lesson's steps are
+called, not what they teach. A reader of the recipe may skip this file; data.py hands it its prepare()."""
 import argparse
 import sys
 import tempfile
@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from machinery.cli import InputError, Parser, usable_cores
-from machinery.prepare import find_sources, make_writable_dir, read_documents, write_docstrings, write_file
+from machinery.prepare import (HELD_OUT_EVERY, find_sources, make_writable_dir, read_documents, write_code,
+                               write_docstrings, write_file)
 from machinery.tokenfiles import SPLITS, load_meta, split_tokens
 from machinery.tokenizer import MAX_VOCAB, MIN_LEARNED, is_int, learn_bpe
 
@@ -122,6 +123,12 @@ def make_parser(description):
     d = command("docstrings", "write the standard library's docstrings as JSONL (general text)")
     d.add_argument("--out", required=True, help="the .jsonl to write")
     d.add_argument("--max_bytes", type=int, default=1_000_000, help="stop after this much text")
+    c = command("code", "write the standard library's functions and classes, docstrings cut out, as JSONL (the "
+                        "miniature's new domain), with the modules held out for evaluation in a file of their own")
+    c.add_argument("--out", required=True, help="the .jsonl to train on")
+    c.add_argument("--heldout", required=True, help=f"the .jsonl of held-out texts: the functions and classes of "
+                   f"one module in {HELD_OUT_EVERY}, never in --out")
+    c.add_argument("--max_bytes", type=int, default=2_000_000, help="stop after this much text in --out")
     e = command("demo", "build the demo corpus: docstrings and a BPE learned from them "
                         "(what `python data.py` does)")
     e.add_argument("--out", default="data/demo", help="the directory to write")
@@ -141,6 +148,11 @@ def main(data, argv=None):
     elif a.command == "docstrings":
         path = write_docstrings(a.out, a.max_bytes)
         print(f"{path}: {path.stat().st_size / 1e6:.1f} MB of docstrings")
+    elif a.command == "code":
+        path, heldout, trained, held = write_code(a.out, a.heldout, a.max_bytes)
+        print(f"{path}: {trained:,} functions and classes, {path.stat().st_size / 1e6:.1f} MB (to prepare: python "
+              f"data.py prepare --input {path} ...)\n{heldout}: {held:,} of held-out modules, "
+              f"{heldout.stat().st_size / 1e6:.1f} MB (texts for eval.py cka and needle --texts)")
     elif a.command == "demo":
         prepare_demo(data.prepare, a.out, a.vocab_size or None)
     else:

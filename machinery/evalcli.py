@@ -3,6 +3,7 @@ reader of the recipe may skip this file."""
 import argparse
 import inspect
 import math
+import os
 
 import torch
 
@@ -222,4 +223,20 @@ def main(ev, argv=None):
     if "threads" in args:
         torch.set_num_threads(pick_threads(args.pop("threads")))
         print(f"threads: {torch.get_num_threads()} intra-op (--threads to change)")
-    return command(**args)
+    result = command(**args)
+    params = inspect.signature(command).parameters
+    out = args.get("out", params["out"].default if "out" in params else None)
+    if result is not None and out:  # a command that wrote a file says so (None: it wrote nothing, no matplotlib)
+        print(wrote(out))
+    return result
+
+
+# How to look at what a command wrote, by the file's extension.
+LOOK = {".png": "a picture: open it in any image viewer",
+        ".json": "every number, the table's and more: python -m json.tool {}"}
+
+
+def wrote(path):
+    """What a command wrote and how to look at it."""
+    how = LOOK.get(os.path.splitext(str(path))[1], "")
+    return f"wrote {path}" + (f" ({how.format(path)})" if how else "")

@@ -15,7 +15,7 @@ SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --to
 PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout")  # never taken from a saved configuration
 # What --resume may change besides: nothing that alters the numbers (threads: a smaller machine needs fewer).
 RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads",
-             "log_to", "license", "language", "base_model")
+             "log_to", "license", "language", "base_model", "hub_id")
 # The budget, which --resume may change where every step already run keeps its learning rate (check_new_budget).
 BUDGET = ("tokens", "schedule_tokens")
 # Documents are [CLS] text [SEP] with at least one text token, so a window holds at most two special tokens in a
@@ -167,6 +167,8 @@ def check(cfg, allowed, world):
          f"--language={cfg.language!r}: expected language codes such as en or en,de"),
         (re.fullmatch(r"([\w.\-]+(/[\w.\-]+)?)?", cfg.base_model),
          f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base"),
+        (re.fullmatch(r"([\w.\-]+/[\w.\-]+)?", cfg.hub_id),
+         f"--hub_id={cfg.hub_id!r}: expected the hub repository to publish to, USER/NAME"),
     ]
     for ok, message in rules:
         if not ok:

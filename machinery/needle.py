@@ -112,9 +112,7 @@ def needle_cell(hits):
     exact = [int(all(h)) for h in hits]
     token = [sum(h) / len(h) for h in hits]
     low, high = wilson(sum(exact), len(exact))
-    mean, t_low, t_high = t_interval(token)
-    if t_low is not None:  # cut to the values an accuracy can take
-        t_low, t_high = max(0.0, t_low), min(1.0, t_high)
+    mean, t_low, t_high = t_interval(token, bounds=(0.0, 1.0))  # cut to the values an accuracy can take
     return dict(n=len(hits), exact=sum(exact) / len(exact), exact_low=low, exact_high=high, token=mean,
                 token_low=t_low, token_high=t_high, exact_each=exact, token_each=token)
 

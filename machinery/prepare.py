@@ -131,28 +131,36 @@ def describe(source, digests, documents):
 
 
 # ----------------------------------------------------------------------------
-# The demo's text: general English with no download
+# The demo's text: general English with no download; and the miniature's new domain, Python source
 
 
-def stdlib_docstrings(max_bytes=1_000_000):
-    """General English text with no download: the docstrings of the standard library's .py files,
-    read with ast (importing some modules has side effects). Parsing is the slow part."""
-    root, total = Path(sysconfig.get_paths()["stdlib"]), 0
+def stdlib_modules():
+    """(path relative to the standard library, source, ast) of its .py files in a fixed order, the test suites
+    and IDLE left out, read with ast (importing some modules has side effects). Parsing is the slow part."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(set(subfolders) - skip)
         for name in sorted(f for f in files if f.endswith(".py")):
             try:
-                tree = ast.parse(Path(folder, name).read_text(encoding="utf-8"))
+                source = Path(folder, name).read_text(encoding="utf-8")
+                tree = ast.parse(source)
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            for node in statements(tree):
-                doc = ast.get_docstring(node) if isinstance(node, DOCUMENTED) else None
-                if doc:
-                    yield doc
-                    total += len(doc.encode())
-                    if total >= max_bytes:
-                        return
+            yield Path(folder, name).relative_to(root).as_posix(), source, tree
+
+
+def stdlib_docstrings(max_bytes=1_000_000):
+    """General English text with no download: the docstrings of the standard library's .py files."""
+    total = 0
+    for _, _, tree in stdlib_modules():
+        for node in statements(tree):
+            doc = ast.get_docstring(node) if isinstance(node, DOCUMENTED) else None
+            if doc:
+                yield doc
+                total += len(doc.encode())
+                if total >= max_bytes:
+                    return
 
 
 DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -172,12 +180,80 @@ def statements(tree):
 def write_docstrings(path, max_bytes=1_000_000):
     """The standard library's docstrings as JSONL (the demo's text, and reproduce.py's stand-in for
     the general text a pretrained encoder saw). Returns the path."""
-    if not is_int(max_bytes) or max_bytes < 1:
-        raise InputError(f"--max_bytes={max_bytes}: expected a positive size")
+    check_max_bytes(max_bytes)
     path = Path(path)
     make_writable_dir(path.parent, path)
     write_file(path, "".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings(max_bytes)))
     return path
+
+
+def check_max_bytes(max_bytes):
+    if not is_int(max_bytes) or max_bytes < 1:
+        raise InputError(f"--max_bytes={max_bytes}: expected a positive size")
+
+
+# One module in HELD_OUT_EVERY, chosen by a hash of its path (the same on every machine and Python run), is
+# held out: its functions and classes are texts the continued models never train on, for CKA.
+HELD_OUT_EVERY = 5
+
+
+def is_held_out(module):
+    return zlib.crc32(module.encode()) % HELD_OUT_EVERY == 0
+
+
+def stdlib_code():
+    """(module, text) of every top-level function and class of the standard library's source (module_code): a
+    kind of text the demo's start model, trained on those docstrings, has not seen."""
+    for module, source, tree in stdlib_modules():
+        yield from ((module, text) for text in module_code(source, tree))
+
+
+def module_code(source, tree):
+    """The text of each top-level function and class of a module (`tree`: its ast), decorators included and
+    docstrings cut out. Comments stay: they are part of how code reads."""
+    lines = source.splitlines()
+    for node in tree.body:
+        if isinstance(node, DOCUMENTED):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            cut = docstring_lines(node, lines)
+            yield "\n".join(lines[i] for i in range(first - 1, node.end_lineno) if i not in cut)
+
+
+def docstring_lines(node, lines):
+    """The 0-based lines that node's docstrings and those of the functions and classes inside it fill alone (a
+    docstring that shares a line with code stays)."""
+    cut = set()
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        if isinstance(n, DOCUMENTED) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            doc = body[0]
+            alone = not lines[doc.lineno - 1][:doc.col_offset].strip() and \
+                not lines[doc.end_lineno - 1][doc.end_col_offset:].strip()
+            if alone:
+                cut.update(range(doc.lineno - 1, doc.end_lineno))
+    return cut
+
+
+def write_code(path, heldout, max_bytes=2_000_000):
+    """The standard library's functions and classes without their docstrings as two JSONL files, a document a
+    line: `path` from the modules trained on, up to max_bytes of text; `heldout` from the held-out modules
+    (is_held_out) met on the way, never in `path`. Returns (path, heldout, documents in each)."""
+    check_max_bytes(max_bytes)
+    path, heldout = Path(path), Path(heldout)
+    if path.resolve() == heldout.resolve():
+        raise InputError(f"--out={path} and --heldout={heldout}: the held-out texts need a file of their own")
+    make_writable_dir(path.parent, path)
+    make_writable_dir(heldout.parent, heldout, "--heldout")
+    texts, total = {path: [], heldout: []}, 0
+    for module, text in stdlib_code():
+        if total >= max_bytes:
+            break
+        texts[heldout if is_held_out(module) else path].append(json.dumps({"text": text}) + "\n")
+        total += 0 if is_held_out(module) else len(text.encode())
+    for where, lines in texts.items():
+        write_file(where, "".join(lines))
+    return path, heldout, len(texts[path]), len(texts[heldout])
 
 
 # ----------------------------------------------------------------------------
@@ -595,14 +671,14 @@ def check_prepare_args(names, out, mix, val_fraction, seed, workers):
     make_writable_dir(out, out)
 
 
-def make_writable_dir(folder, out):
+def make_writable_dir(folder, out, flag="--out"):
     """Create folder; a probe file proves it writable (permission bits do not stop root, a read-only mount
     does)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise InputError(f"--out={out}: cannot write there ({e.strerror or e})") from None
+        raise InputError(f"{flag}={out}: cannot write there ({e.strerror or e})") from None
 
 
 def write_file(path, text):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from machinery import cli, flags, kernels
-from machinery.cli import InputError, autocast, launcher, read_json
-from machinery.curves import run_dir_of
+from machinery import cli, flags, kernels, tracking
+from machinery.cli import InputError, autocast, launcher
+from machinery.curves import run_dir_of, saved_config
 from machinery.rundir import ROOT, RunDir, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -79,30 +79,35 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
         print(f"the {cfg.schedule} schedule goes on from token {schedule_from:,} of {cfg.schedule_tokens:,}: "
               f"no second warmup")
     elif how == "handoff" and cfg.warmup_tokens:
+        parent = dataclasses.replace(cfg, **saved)
+        peak = parent.phase == cfg.phase and at_its_peak(parent, state["schedule_tokens_done"], cfg.tokens,
+                                                         learning_rate)
+        kept = (f". To go on with {cfg.init_from}'s schedule instead (its peak rate from the first step), pass "
+                f"--warmup_tokens=0" if peak else "")
         print(f"the schedule starts again: the learning rate warms up from 0 over {cfg.warmup_tokens:,} tokens (a "
               f"hand-off continues its parent's schedule only where both give the same --schedule and "
               f"--schedule_tokens; {cfg.init_from} ran {saved['schedule']} over "
-              f"{saved['schedule_tokens'] or 'its own --tokens'}){longer_instead(cfg, state, learning_rate)}")
+              f"{saved['schedule_tokens'] or 'its own --tokens'}){kept}")
 
 
-def longer_instead(cfg, state, learning_rate):
-    """For a hand-off to the phase of its parent, whose schedule allows it: the command that makes the parent
-    itself longer by as many tokens, its schedule kept."""
-    parent = dataclasses.replace(cfg, **state["config"])
-    longer = dataclasses.replace(parent, tokens=parent.tokens + cfg.tokens)
-    per_step = parent.batch_size * parent.seq_len
-    if parent.phase != cfg.phase or parent.schedule_tokens or flags.first_changed_rate(
-            parent, longer, state["schedule_tokens_done"], per_step, learning_rate) is not None:
-        return ""
-    return f". To train {cfg.init_from} itself for longer instead, its schedule kept: " \
-           f"{command('--resume', f'--out_dir={cfg.init_from}', f'--tokens={longer.tokens}')}"
+def at_its_peak(cfg, done, more, learning_rate):
+    """Whether the run of `cfg`, `done` tokens into its schedule, would train `more` tokens at its peak rate if
+    its budget grew by that much, every step it ran keeping its rate (a constant schedule past its warmup). Then a
+    hand-off to its phase with --warmup_tokens=0 takes the same steps as `--resume --tokens` would (bar the
+    dropout streams), into a run directory of its own."""
+    per_step = cfg.batch_size * cfg.seq_len
+    longer = dataclasses.replace(cfg, tokens=cfg.tokens + more)
+    return flags.first_changed_rate(cfg, longer, done, per_step, learning_rate) is None and \
+        all(learning_rate(longer, t) == cfg.lr for t in range(done, done + more, per_step))
 
 
 def plan(r, total_steps):
     """The resolved configuration, versions, device, model, objective, schedule and batch arithmetic."""
     cfg = r.cfg
     per_step = cfg.batch_size * cfg.seq_len
-    epochs = total_steps * per_step / (r.loader.n_windows * cfg.seq_len)
+    epochs = total_steps * cfg.batch_size / r.loader.n_windows
+    # a hand-off goes on from its parent's data position: the epochs read before this phase count too
+    seen = (r.loader.sequence - r.phase_step * cfg.batch_size) / r.loader.n_windows
     gpu = f" ({torch.cuda.get_device_name(r.device)})" if r.device.type == "cuda" else ""
     print(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, device {r.device}{gpu}, {r.world} "
@@ -117,10 +122,13 @@ def plan(r, total_steps):
           f"frozen blocks: {cfg.freeze or 'none'}")
     print(f"batch: {cfg.batch_size} sequences = {cfg.batch_size // r.accum // r.world} micro x {r.accum} "
           f"accumulation x {r.world} process(es); {per_step:,} tokens/step; {total_steps:,} steps = "
-          f"{total_steps * per_step:,} tokens, {epochs:.2f} epochs of {cfg.data}")
-    if epochs > 4:
-        print(f"warning: the budget is {epochs:,.0f} epochs of {cfg.data}: the model will memorise it; lower "
-              f"--tokens or prepare more data")
+          f"{total_steps * per_step:,} tokens, {epochs:.2f} epochs of {cfg.data}"
+          + (f", from epoch {seen:.2f} (where the run it continues stopped)" if seen else ""))
+    for line in tracking.where(cfg.log_to, cfg.out_dir):
+        print(f"tracked: {line}")
+    if seen + epochs > 4:
+        print(f"warning: the budget is {epochs:,.1f} epochs of {cfg.data}" + (f", {seen + epochs:,.1f} with the runs "
+              f"before it" if seen else "") + ": the model will memorise it; lower --tokens or prepare more data")
 
 
 def record(r, loss, lr, grad_norm, seconds, flops, peak):
@@ -174,7 +182,9 @@ def command(*flags_):
 def continuations(r, total_steps, learning_rate):
     """The commands that go on from this run, as (label, command, what it does): --resume until the budget is
     run; then the rest of a schedule that spans phases, or a longer run and the short decay where the schedule
-    allows them. A hand-off names its --out_dir where the default one is taken."""
+    allows them. Once the budget is run, a hint never changes this run (other runs may start from it): a longer
+    run is a hand-off into a run directory of its own, and a hand-off names its --out_dir where the default one
+    is taken."""
     cfg, out = r.cfg, r.cfg.out_dir
     per_step = cfg.batch_size * cfg.seq_len
     if r.phase_step < total_steps:
@@ -188,23 +198,45 @@ def continuations(r, total_steps, learning_rate):
     if cfg.phase == "decay":  # the end of the recipe
         return []
     hints = []
-    longer = dataclasses.replace(cfg, tokens=2 * cfg.tokens)
-    done = r.schedule_start + r.phase_tokens
-    if not cfg.schedule_tokens and flags.first_changed_rate(cfg, longer, done, per_step, learning_rate) is None:
-        hints.append(("longer", command("--resume", f"--out_dir={out}", f"--tokens={longer.tokens}"),
-                      "the same run and schedule, twice the budget"))
-    if cfg.schedule == "constant" and r.phase_tokens // 10 >= per_step:
-        hints.append(("next", handoff(out, "decay"), "the short MLM decay, 10% of its tokens"))
+    if not cfg.schedule_tokens and at_its_peak(cfg, r.schedule_start + r.phase_tokens, cfg.tokens, learning_rate):
+        hints.append(("longer", handoff(out, cfg.phase, *same_objective(cfg), f"--tokens={cfg.tokens}",
+                                        "--warmup_tokens=0", name="longer"),
+                      f"as many tokens again, its schedule kept, into a run of its own: {out} stays as it is"))
+    phase_tokens = r.phase_tokens + sum(h["tokens"] for h in same_phase_before(r.history, cfg.phase))
+    if cfg.schedule == "constant" and phase_tokens // 10 >= per_step:  # a decay's default is 10% of its parent's
+        more = [f"--tokens={phase_tokens // 10}"] if phase_tokens > r.phase_tokens else []
+        hints.append(("next", handoff(out, "decay", *more), "the short MLM decay, 10% of its tokens" +
+                      (f" and of the {cfg.phase} runs it continues" if more else "")))
     return hints
 
 
-def handoff(out, phase, *flags_):
-    """A phase hand-off from the run in `out`, with an --out_dir of its own where the default one exists."""
-    default, n = continuation_dir(out, phase), 2
-    while os.path.lexists(f"{default}-{n}"):
-        n += 1
-    where = [f"--out_dir={default}-{n}"] if os.path.lexists(default) else []
-    return command(f"--phase={phase}", f"--init_from={out}", *where, *flags_)
+def same_phase_before(history, phase):
+    """The runs of `phase` that the run continues directly (a longer run's chain: mlm, mlm-longer, ...)."""
+    before = []
+    for entry in reversed(history):
+        if entry["phase"] != phase:
+            break
+        before.append(entry)
+    return before
+
+
+def same_objective(cfg):
+    """The flags that give a hand-off the objective of the run it continues, where its phase's preset does not:
+    a hand-off inherits the model, data and optimizer (train.INHERITED), not the objective or the freezing."""
+    return [*([f"--objective={cfg.objective}"] if cfg.objective != cfg.phase else []),
+            *([f"--mask_rate={cfg.mask_rate}"] if cfg.objective == "mlm" else []),
+            *([f"--freeze={cfg.freeze}"] if cfg.freeze else [])]
+
+
+def handoff(out, phase, *flags_, name=None):
+    """A phase hand-off from the run in `out`, into out-NAME (name: the phase by default, which is train.py's
+    default --out_dir), numbered -2, -3, ... where that is taken: a hint never writes into a run that exists."""
+    default = where = continuation_dir(out, name or phase)
+    n = 2
+    while os.path.lexists(where):
+        where, n = f"{default}-{n}", n + 1
+    named = [f"--out_dir={where}"] if where != continuation_dir(out, phase) else []
+    return command(f"--phase={phase}", f"--init_from={out}", *named, *flags_)
 
 
 def summary(r, total_steps, signalled, elapsed, learning_rate):
@@ -231,6 +263,7 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
           f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
           f"README.md)\n"
           f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"
+          + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out)) +
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
     for label, line, why in hints:
@@ -264,7 +297,7 @@ def card(r, learning_rate):
     phases, the data, the last validation losses and the commands that use and continue it."""
     cfg, out = r.cfg, r.cfg.out_dir
     total_steps = cfg.tokens // (cfg.batch_size * cfg.seq_len)
-    chain = [*({**h, "config": config_of(h["dir"])} for h in r.history),
+    chain = [*({**h, "config": saved_config(h["dir"])} for h in r.history),
              {"phase": cfg.phase, "tokens": r.phase_tokens, "dir": out, "config": dataclasses.asdict(cfg)}]
     meta = {"library_name": "transformers", "pipeline_tag": "fill-mask",
             **({"base_model": cfg.base_model} if cfg.base_model else {}),
@@ -295,14 +328,66 @@ def card(r, learning_rate):
     else:
         lines += ["None yet."]
     hints = continuations(r, total_steps, learning_rate)
-    lines += ["", "## Use", "", "```python", "from transformers import pipeline",
-              f"fill = pipeline(\"fill-mask\", model={json.dumps(out)})", "```", "", "## Continue", "",
+    lines += ["", *use(cfg), "", *intended_use(r, chain, val), "", *license_lines(cfg), "", "## Continue", "",
               *(["```bash", *(f"{line}   # {why}" for _, line, why in hints), "```"] if hints else
                 ["Nothing: the recipe ends with this phase."]), "",
               "`log.jsonl` holds every step's record, `loss.png` draws them; `checkpoints/` (with the optimizer "
               "state) is what `--resume` reads, not needed to use the model.", "",
               "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]
     return "\n".join(lines)
+
+
+HUB_PLACEHOLDER = "USER/NAME"  # the card's hub id where --hub_id names none
+
+
+def use(cfg):
+    """The card's "Use" section: the snippet loads the hub id (--hub_id, or a placeholder the card says to
+    replace), which is what a reader of the card on the hub can load; this machine's folder in a sentence."""
+    hub_id = cfg.hub_id or HUB_PLACEHOLDER
+    upload = f"`hf upload {hub_id} {cfg.out_dir} --exclude \"checkpoints/*\"`"
+    where = (f"Published with {upload}." if cfg.hub_id else
+             f"Replace `{HUB_PLACEHOLDER}` with the hub repository this folder is uploaded to ({upload}), or name it "
+             f"at training time with `--hub_id`.")
+    return ["## Use", "", "```python", "from transformers import pipeline",
+            f"fill = pipeline(\"fill-mask\", model={json.dumps(hub_id)})",
+            "print(fill(\"Return the [MASK] of the list.\"))", "```", "",
+            f"{where} Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the folder where train.py "
+            f"wrote it."]
+
+
+def intended_use(r, chain, val):
+    """What the model is for and what it is not, from the run: its size, the tokens and data it saw (and how
+    often), the context it was trained at, and what was measured and what was not."""
+    cfg, meta = r.cfg, r.meta
+    tokens = sum(c["tokens"] for c in chain)
+    earlier = chain[0]["config"].get("init_from", "scratch") != "scratch"
+    sources = ", ".join(s.get("name", "?") for s in meta.get("sources") or [] if isinstance(s, dict)) or cfg.data
+    read = r.loader.sequence / r.loader.n_windows  # epochs of its data, across the hand-offs that carry the position
+    measured = ("validation MLM and CLM losses on held-out windows of the same data (above)" if "val_mlm" in val
+                else "nothing yet")
+    return ["## Intended use and limitations", "",
+            f"A research and teaching model: {r.model.num_params():,} parameters, trained by the phases above on "
+            f"{tokens:,} tokens" + (" (after the training of the model it started from)" if earlier else "")
+            + f", in windows of {cfg.seq_len} tokens, on `{cfg.data}` ({sources}; "
+            f"{meta['splits']['train']['tokens']:,} training tokens, read {read:.2f} times"
+            + (": it may reproduce passages of it" if read > 1 else "") + "). It is meant for studying continued "
+            "pretraining (how the phases above change a model) and for fill-mask and fine-tuning experiments on "
+            "text like its data.", "",
+            f"Measured: {measured}. Not evaluated: any downstream task (no fine-tuning result is recorded with "
+            f"it), text unlike its data, inputs longer than {cfg.seq_len} tokens, and bias, toxicity or factual "
+            f"accuracy. A model of this size and data is not fit to make decisions about people or to state "
+            f"facts."]
+
+
+def license_lines(cfg):
+    """The card's license: the one --license named, or a line saying that none was given and what that means."""
+    if cfg.license:
+        return ["## License", "", f"`{cfg.license}` (the front matter's `license`, from train.py's --license). The "
+                f"data it was trained on keeps its own terms."]
+    return ["## License", "", "**No license was given** (train.py's --license was empty), so the front matter names "
+            "none and the hub shows this model without one: nobody else can tell whether they may use it. Before "
+            "publishing, add `license:` to the front matter (or train with --license=ID, e.g. apache-2.0), "
+            "choosing one that the data's own terms allow."]
 
 
 def base_model(init_from, state):
@@ -323,19 +408,6 @@ def yaml_lines(meta):
         else:
             lines.append(f"{key}: {json.dumps(value)}")
     return lines
-
-
-def config_of(folder):
-    """The configuration of an earlier run of the chain (`folder`: the checkpoint it was left at, or its run
-    directory where that checkpoint was pruned since); {} where it is gone."""
-    try:
-        return read_json(os.path.join(folder, "state.json"))["config"]
-    except (InputError, KeyError, TypeError):
-        pass
-    try:
-        return RunDir.open(run_dir_of(folder)).latest_state()["config"]
-    except (InputError, KeyError, TypeError):  # moved, deleted or damaged since: the history's words only
-        return {}
 
 
 def origin(config):

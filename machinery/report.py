@@ -40,7 +40,8 @@ def cka_markdown(r):
              f"and scale, towards 1 when unrelated. {runs}; each the mean of {r['draws']} draws of "
              f"{r['args']['n']} held-out texts" + (f"; {c['k']} seed control(s) (two runs of {a}'s method that "
                                                    f"differ in their seeds)" if c else "") + ".", ""]
-    head = f"| layer | 1 - CKA, {a} vs {b}, mean over {m} | 95% interval over replicates | moves between draws (sd) |"
+    head = (f"| layer | 1 - CKA, {a} vs {b}, mean over {m} | 95% t interval over replicates, clipped to [0, 1] | "
+            f"moves between draws (sd) |")
     if not c:
         lines += [head, "|---|---|---|---|"]
         lines += [f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} "
@@ -58,8 +59,10 @@ def cka_markdown(r):
             f"{number(r['ratio']['mean'][i], '.2f')} {span(r['ratio']['low'][i], r['ratio']['high'][i], '.2f')} |")
     note = ("" if band["bound"][0] is not None else
             f" With {c['k']} control(s) there is no spread to bound: the rule needs at least 2.")
-    lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its interval over the {m} replicates (the "
-                  f"controls' mean taken as known); {band['rule']}.{note}"]
+    lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its t interval over the {m} replicates (the "
+                  f"controls' mean taken as known; clipped at 0, as the ratio cannot go below). 1 - CKA's interval, and "
+                  f"the bound, are clipped to [0, 1], the range of 1 - CKA: with few runs t reaches past it. "
+                  f"{band['rule']}.{note}"]
     if r.get("trend"):
         tr = r["trend"]
         lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most): the ratio's "
@@ -84,7 +87,8 @@ def plot_cka(r, path):
     low = [x if lo is None else x - lo for x, lo in zip(r["divergence"], r["divergence_low"])]
     high = [0 if hi is None else hi - x for x, hi in zip(r["divergence"], r["divergence_high"])]
     ax.errorbar(layers, r["divergence"], yerr=[low, high] if m > 1 else None, fmt="o-", color="C0", capsize=3,
-                label=f"{a} vs {b}, mean of {m}" + (" (bars: 95% interval over replicates)" if m > 1 else ""))
+                label=f"{a} vs {b}, mean of {m}" + (" (bars: 95% t interval over replicates, clipped to [0, 1])"
+                                                     if m > 1 else ""))
     if c:
         for j, each in enumerate(c["divergence"]):
             ax.plot(layers, each, ".", color="grey", ms=5, label="each seed control" if j == 0 else None)
@@ -102,7 +106,7 @@ def plot_cka(r, path):
         err = [[0 if lo is None else x - lo for x, lo in zip(mean, ratio["low"])],
                [0 if hi is None else hi - x for x, hi in zip(mean, ratio["high"])]]
         ax.errorbar(layers, mean, yerr=err if m > 1 else None, fmt="o-", color="C0", capsize=3,
-                    label=f"{a} vs {b}" + (" (bars: 95% interval over replicates)" if m > 1 else ""))
+                    label=f"{a} vs {b}" + (" (bars: 95% t interval over replicates, clipped at 0)" if m > 1 else ""))
         ax.axhline(1, color="grey", ls=":", lw=1, label="the controls' mean (1)")
         if band["bound"][0] is not None:
             ax.plot(layers, [x / mu if mu else math.nan for x, mu in zip(band["bound"], c["mean"])], "--",
@@ -419,7 +423,8 @@ def times(t):
 # The figure: validation losses and the learning rate against tokens (top), fine-tuning (bottom).
 
 CURVES = [("val", 1, "validation MLM loss (15% masked)", "nats per token"),
-          ("val", 2, "validation CLM loss", "nats per token"), ("lr", 1, "learning rate", "learning rate")]
+          ("val", 2, "validation CLM loss", "nats per token"),
+          ("lr", 1, "learning rate of each step", "learning rate")]
 
 
 def curve_segments(runs, models):
@@ -472,8 +477,14 @@ def draw_curves(axes, rep, spec, colour):
             for ax, (part, column, _, _) in zip(axes, CURVES):
                 points = [(start, runs[before][part][-1][column])] if before and runs[before][part] else []
                 points += [(p[0] + offset, p[column]) for name, offset in parts for p in runs[name][part]]
-                style = dict(lw=1.2, ms=3, marker="o") if part == "val" else dict(lw=3.5 - 0.3 * i, marker=".")
-                if points:  # the lr lines nested: where runs share a schedule, every one shows
+                if part == "lr" and points and not before:  # the first step's rate from the run's first token
+                    points.insert(0, (start, points[0][1]))
+                # a step's learning rate held over the tokens it trained (a one-step decay is one flat step, at
+                # the rate 1-sqrt gives its first step: the peak); the lr lines nested, so where runs share a
+                # schedule every one shows
+                style = dict(lw=1.2, ms=3, marker="o") if part == "val" else dict(lw=3.5 - 0.3 * i,
+                                                                                  drawstyle="steps-pre")
+                if points:
                     ax.plot(*zip(*points), color=colour[spec["final"][i]], ls="-" if r == 1 else "--", **style)
     for ax, (_, _, title, unit) in zip(axes, CURVES):
         for x in switches:

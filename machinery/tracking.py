@@ -113,3 +113,22 @@ class Trackio:
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}  # --log_to's names
+
+
+# -----------------------------------------------------------------------------
+# Where each tracker keeps the records and how to look at them: said when a run starts and when it ends.
+
+
+def where(log_to, out_dir):
+    """A line per tracker of --log_to: where its records are, and the command that shows them."""
+    board = os.path.join(out_dir, "tensorboard")
+    wandb = os.path.join(out_dir, "wandb")
+    views = {
+        "tensorboard": f"TensorBoard event files in {board}/; to view them: tensorboard --logdir {board} (then "
+                       f"open http://localhost:6006)",
+        "wandb": f"W&B run {run_name(out_dir)} of project {os.environ.get('WANDB_PROJECT', PROJECT)} (its page: the "
+                 f"URL wandb printed), files in {wandb}/; offline ($WANDB_MODE=offline), upload them with: wandb sync "
+                 f"{wandb}/offline-run-*",
+        "trackio": f"trackio project {os.environ.get('TRACKIO_PROJECT', PROJECT)}; to view it: trackio show --project "
+                   f"{os.environ.get('TRACKIO_PROJECT', PROJECT)}"}
+    return [views[name] for name in (n.strip() for n in log_to.split(",")) if name in views]

@@ -127,9 +127,9 @@ def test_missing_parent_warns_once_and_keeps_its_tokens(tmp_path, capsys):
 RUN_ID = "0123456789abcdef0123456789abcdef"
 
 
-def checkpoint(run, step, phase, phase_tokens, history):
-    """A checkpoint folder of run as train.py leaves it: its marker, a state.json with every field, and the
-    other files it lists (empty: only their sizes are read)."""
+def checkpoint(run, step, phase, phase_tokens, history, config=None):
+    """A checkpoint folder of run as train.py leaves it: its marker, a state.json with every field (`config`: the
+    run's configuration, {} by default), and the other files it lists (empty: only their sizes are read)."""
     with open(os.path.join(run, "run.json"), "w") as f:
         json.dump({"written_by": "train.py", "run_id": RUN_ID}, f)
     folder = os.path.join(run, "checkpoints", f"step-{step:08d}")
@@ -141,8 +141,8 @@ def checkpoint(run, step, phase, phase_tokens, history):
         open(os.path.join(folder, name), "w").close()
     total = sum(h["tokens"] for h in history) + phase_tokens
     state = dict(phase=phase, step=step, phase_step=step, phase_tokens=phase_tokens, total_tokens=total,
-                 schedule_tokens_done=total, loader={"sequence": 0}, rng=[], config={}, code={}, tokenizer="bytes",
-                 history=history, files={name: 0 for name in files})
+                 schedule_tokens_done=total, loader={"sequence": 0}, rng=[], config=config or {}, code={},
+                 tokenizer="bytes", history=history, files={name: 0 for name in files})
     with open(os.path.join(folder, rundir.STATE), "w") as f:
         json.dump(state, f)
     return folder
@@ -211,7 +211,8 @@ def test_draw_runs_one_colour_per_run_in_every_panel(tmp_path, monkeypatch):
             colours.setdefault(line.get_label(), set()).add(line.get_color())
     assert set(colours) >= {"MLM", "CLM"}
     assert len(colours["MLM"]) == len(colours["CLM"]) == 1 and colours["MLM"] != colours["CLM"]
-    assert [len([ln for ln in ax.get_lines() if ln.get_label() in ("MLM", "CLM")]) for ax in fig.axes] == [2, 2, 2]
+    # validation MLM and CLM, then a train panel per objective: mlm (a's parent and b), clm (a)
+    assert [len([ln for ln in ax.get_lines() if ln.get_label() in ("MLM", "CLM")]) for ax in fig.axes] == [2, 2, 2, 1]
     assert {t.get_text() for t in fig.legends[0].get_texts()} == {"MLM", "CLM", "phase switch (in its run's colour)"}
 
 
@@ -239,3 +240,81 @@ def test_command_line(tmp_path, capsys):
                           ([str(tmp_path)], "no log.jsonl")]:
         with pytest.raises(InputError, match=message):
             curves.main(argv)
+
+
+# --- a continued run's curve starts at its start; each train loss says what it measures ------------------------
+
+CLM, MLM30, MLM15 = dict(objective="clm", mask_rate=0.3), dict(objective="mlm", mask_rate=0.3), \
+    dict(objective="mlm", mask_rate=0.15)
+
+
+def drawn(monkeypatch):
+    """The figures curves.save is handed, kept (and written as usual)."""
+    figures, save = [], curves.save
+    monkeypatch.setattr(curves, "save", lambda fig, out: (figures.append(fig), save(fig, out))[1])
+    return figures
+
+
+def a_detour_and_its_twin(tmp_path):
+    """A CLM detour and its decay (MLM at 15%), and an MLM twin (30%), each started from weights: a validation at
+    step 0 (the start model's losses, 5.0) then losses that move away from it."""
+    def started(phase, steps, tokens_per_step):
+        return [dict(val("x", 0, 0), phase=phase, val_mlm=5.0, val_clm=7.0), *phase_log(phase, steps, tokens_per_step)]
+    clm = make_run(tmp_path / "clm", started("clm", 10, 100))
+    checkpoint(clm, 10, "clm", 1000, [], CLM)
+    decay = make_run(tmp_path / "clm-decay", [dict(val("decay", 0, 0), val_mlm=6.5), *phase_log("decay", 2, 100)])
+    checkpoint(decay, 2, "decay", 200, [dict(phase="clm", tokens=1000, dir=os.path.join(clm, "checkpoints",
+                                                                                        "step-00000010"))], MLM15)
+    mlm = make_run(tmp_path / "mlm", started("mlm", 10, 100))
+    checkpoint(mlm, 10, "mlm", 1000, [], MLM30)
+    return decay, mlm
+
+
+def test_a_continued_run_starts_its_curve_at_its_step_0_validation(tmp_path, monkeypatch):
+    """A run started from weights validates before its first step: its curve starts there, at token 0, with the
+    start model's loss (the jump of its first steps shows); a hand-off's step 0 sits where its parent ended."""
+    pytest.importorskip("matplotlib")
+    decay, mlm = a_detour_and_its_twin(tmp_path)
+    clm, handed = curves.run_series(decay)
+    assert (clm["val"][0]["tokens"], clm["val"][0]["val_mlm"]) == (0, 5.0)
+    assert (handed["val"][0]["tokens"], handed["val"][0]["val_mlm"]) == (1000, 6.5)
+    figures = drawn(monkeypatch)
+    curves.draw_runs([decay, mlm], str(tmp_path / "cmp.png"), names=["CLM", "MLM"], dpi=30)
+    val_mlm = figures[0].axes[0]
+    firsts = {line.get_label(): (line.get_xdata()[0], line.get_ydata()[0]) for line in val_mlm.get_lines()
+              if line.get_label() in ("CLM", "MLM")}
+    assert firsts == {"CLM": (0, 5.0), "MLM": (0, 5.0)}
+    curves.draw_run(decay, dpi=30)
+    own = [line for line in figures[1].axes[0].get_lines() if line.get_label() == curves.VALIDATION["val_mlm"]]
+    assert (own[0].get_xdata()[0], own[0].get_ydata()[0]) == (0, 5.0)
+
+
+def test_train_losses_name_their_objective_and_masking_rate(tmp_path, monkeypatch):
+    """CLM, MLM at 30% and MLM at 15% are three quantities: compared runs get a train-loss panel for each, named
+    by it, and a run's own picture a series for each; the learning rate is drawn step by step (a one-step phase
+    is one flat step at its rate)."""
+    pytest.importorskip("matplotlib")
+    decay, mlm = a_detour_and_its_twin(tmp_path)
+    figures = drawn(monkeypatch)
+    curves.draw_runs([decay, mlm], str(tmp_path / "cmp.png"), names=["CLM", "MLM"], dpi=30)
+    panels = {ax.get_ylabel().split("\n")[0]: {line.get_label() for line in ax.get_lines()} & {"CLM", "MLM"}
+              for ax in figures[0].axes}
+    assert panels == {"validation MLM loss (15% masked)": {"CLM", "MLM"}, "validation CLM loss (next token)":
+                      {"CLM", "MLM"}, "train loss, CLM (next token)": {"CLM"}, "train loss, MLM, 15% masked": {"CLM"},
+                      "train loss, MLM, 30% masked": {"MLM"}}
+    curves.draw_run(decay, dpi=30)
+    loss_ax, lr_ax = figures[1].axes
+    labels = {line.get_label() for line in loss_ax.get_lines()}
+    assert {"train loss, CLM (next token)", "train loss, MLM, 15% masked"} <= labels
+    assert not any(label.startswith("train loss, MLM, 30%") for label in labels)
+    lr = [line for line in lr_ax.get_lines() if line.get_drawstyle() == "steps-pre"]
+    assert [list(line.get_xdata()) for line in lr] == [[0, *range(100, 1001, 100)], [1000, 1100, 1200]]
+
+
+def test_eval_curves_says_what_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import eval as ev
+    decay, mlm = a_detour_and_its_twin(tmp_path)
+    out = tmp_path / "cmp.png"
+    ev.main(["curves", decay, mlm, f"--out={out}", "--names=CLM,MLM"])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out} (a picture: open it in any image viewer)"

@@ -1,4 +1,5 @@
 """data.py: tokenizer parity with Hugging Face `tokenizers`, prepare, the loader's order, masks, resume, bad inputs."""
+import ast
 import contextlib
 import gzip
 import hashlib
@@ -1065,3 +1066,39 @@ def test_docstrings_command_writes_general_text(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(data.main, ["docstrings", "--out", str(out), "--max_bytes", "0"])
     assert exit_info.value.code == 2 and "--max_bytes=0" in capsys.readouterr().err
+
+
+
+def test_code_command_writes_functions_without_docstrings_and_holds_modules_out(tmp_path, capsys, monkeypatch):
+    """`data.py code`: the standard library's top-level functions and classes, one a line, with every docstring
+    cut out (code, not the docstrings the demo's start model learnt); the held-out modules' texts in their own file,
+    never in the training one; the same bytes at every call; the two files must differ."""
+    monkeypatch.setattr(prep, "HELD_OUT_EVERY", 2)  # one module in 2: some are held out within the first 60 kB
+    out, heldout = tmp_path / "code.jsonl", tmp_path / "code-heldout.jsonl"
+    data.main(["code", "--out", str(out), "--heldout", str(heldout), "--max_bytes", "60000"])
+    assert f"{out}: " in capsys.readouterr().out
+    texts = {path: [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+             for path in (out, heldout)}
+    size = sum(len(t.encode()) for t in texts[out])
+    assert size >= 60000 and size - len(texts[out][-1].encode()) < 60000
+    assert texts[heldout] and all(re.match(r"(@|def |async def |class )", t) for t in texts[out])
+    assert not set(texts[out]) & set(texts[heldout])
+    wanted, module_of, docstrings = set(texts[out] + texts[heldout]), {}, []
+    for module, source, tree in prep.stdlib_modules():  # the modules the texts came from, and their docstrings
+        module_of.update({text: module for text in prep.module_code(source, tree) if text in wanted})
+        docstrings += [ast.get_docstring(node, clean=False) for node in ast.walk(tree)
+                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        if module_of.keys() == wanted:
+            break
+    assert not any(prep.is_held_out(module_of[t]) for t in texts[out])
+    assert all(prep.is_held_out(module_of[t]) for t in texts[heldout])
+    docstrings = [d for d in docstrings if d and "\n" in d]  # several lines: in the source as they are
+    every = "\n".join(wanted)
+    assert len(docstrings) > 20 and not [d for d in docstrings if d in every]  # methods' and classes' too
+    first = out.read_bytes(), heldout.read_bytes()
+    data.main(["code", "--out", str(out), "--heldout", str(heldout), "--max_bytes", "60000"])
+    assert (out.read_bytes(), heldout.read_bytes()) == first
+    with pytest.raises(SystemExit) as exit_info:
+        run(data.main, ["code", "--out", str(out), "--heldout", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--out" in err and "--heldout" in err and err.count("\n") == 1

@@ -544,6 +544,8 @@ FULL_DISK_CASES = [  # (command given the tmp dir and the disk, what is on the d
                                 d / "tok.json"], lambda d: [fill(d)], "tok.json"),
     ("docstrings", lambda t, d: ["docstrings", "--out", d / "general.jsonl", "--max_bytes", "400000"],
      lambda d: [], "general.jsonl"),
+    ("code", lambda t, d: ["code", "--out", d / "code.jsonl", "--heldout", t / "held.jsonl", "--max_bytes", "400000"],
+     lambda d: [], "code.jsonl"),
 ]
 
 

@@ -639,3 +639,26 @@ def test_mlm_refuses_more_windows_than_val_bin_holds(byte_models, texts, tmp_pat
     assert exit.value.code == 2
     assert (f"error: {data_dir}/val.bin holds {held} windows of 32 tokens; --n_sequences={held + 1} asks for more"
             in capsys.readouterr().err)
+
+
+def test_a_bounded_quantity_keeps_its_interval_and_axis_in_its_range(tmp_path, monkeypatch):
+    """1 - CKA lies in [0, 1]: with 2 replicates far apart, t's interval of their mean (here about [-4, 4.7]) is
+    clipped to [0, 1], the ratio's at 0, and the band's bound (here 1.6 from controls far apart) at 1; the table
+    and the figure say so, and the figure's axis holds no more than its data (never up to 4)."""
+    pytest.importorskip("matplotlib")
+    from machinery import report
+    from matplotlib.figure import Figure
+    cka = {"pairs": [[0.99, 0.20], [0.30, 0.95]], "controls": [[0.90, 0.20], [0.10, 0.95], [0.50, 0.50]]}
+    r = ev.cka_summary({42: cka, 43: cka})
+    assert ev.t_interval([0.01, 0.70])[1] < -3 and ev.t_interval([0.80, 0.05])[2] > 4  # what t gives unclipped
+    assert (r["divergence_low"], r["divergence_high"]) == ([0.0, 0.0], [1.0, 1.0])
+    assert r["ratio"]["low"] == [0.0, 0.0] and all(x > 1 for x in r["ratio"]["high"])
+    assert ev.band([0.01, 0.7], [0.1, 0.9, 0.5])["bound"] > 1.5 and r["band"]["bound"] == [1.0, 1.0]
+    r.update(names=["MLM", "CLM"], args={"n": 10})
+    assert "95% t interval over replicates, clipped to [0, 1]" in report.cka_markdown(r)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig) or open(path, "wb").close())
+    report.plot_cka(r, tmp_path / "cka.png")
+    left = drawn[0].axes[0]
+    assert left.get_ylim()[0] == 0 and left.get_ylim()[1] <= 1.1
+    assert any("clipped to [0, 1]" in t.get_text() for t in left.get_legend().get_texts())

@@ -492,3 +492,23 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
         assert f"delete {out / 'stages' / name}.json to run the stage again" in str(refusal.value)
         path.write_bytes(kept)
     stages.check_out(out, plan)  # as the stages wrote them again
+
+
+def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
+    """report.png's learning rate: a step's rate held over the tokens it trained, from the run's first token, so
+    that a one-step decay (a smoke scale's) is one flat step at the rate 1-sqrt gives its first step, the peak, and
+    reads as one step, not as a decay."""
+    pytest.importorskip("matplotlib")
+    from machinery import report
+    from machinery.curves import new_figure
+    runs = {"mlm-r1": dict(continues=None, tokens=3072, objective="mlm", val=[[3072, 4.0, 7.0]],
+                           lr=[[1024, 5e-4], [2048, 1e-3], [3072, 1e-3]]),
+            "mlm-decay-r1": dict(continues="mlm-r1", tokens=1024, objective="mlm", val=[[1024, 3.9, 7.1]],
+                                 lr=[[1024, 1e-3]])}
+    axes = new_figure((6, 2), 40).subplots(1, 3)
+    report.draw_curves(axes, dict(runs=runs, replicates=1), dict(final=["mlm-decay"], names={"mlm-decay": "MLM"}),
+                       {"mlm-decay": "C0"})
+    (line,) = [ln for ln in axes[2].get_lines() if ln.get_color() == "C0"]  # not the switch's dotted line
+    assert line.get_drawstyle() == "steps-pre"
+    assert list(zip(line.get_xdata(), line.get_ydata())) == [(0, 5e-4), (1024, 5e-4), (2048, 1e-3), (3072, 1e-3),
+                                                             (4096, 1e-3)]

@@ -413,6 +413,50 @@ def test_a_run_writes_a_model_card_that_the_hub_reads_and_leaves_an_edited_one(s
     assert transformers.AutoModelForMaskedLM.from_pretrained(str(out)).config.model_type == "modernbert"
 
 
+def card_of(tmp_path, **flags):
+    """The model card progress.card writes for a finished demo-like run of 4 steps on 2 epochs' worth of a
+    corpus, continued from a run of ours by --weights_only (no training: what the card reads of the run)."""
+    import argparse
+
+    import train
+    from machinery import progress
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(dict(phase="clm", step=0, tokens=0, val_mlm=5.9, val_clm=7.9)) + "\n"
+                   + json.dumps(dict(phase="clm", step=4, tokens=2048, val_mlm=7.1, val_clm=3.9)) + "\n")
+    cfg = train.Config(**{**train.RECIPES["demo"], **train.PHASES["clm"], "phase": "clm", "init_from": str(tmp_path),
+                          "weights_only": True, "out_dir": "out/code-clm", "tokens": 2048, "seq_len": 128,
+                          "batch_size": 4, **flags})
+    meta = dict(vocab_size=2048, splits=dict(train=dict(tokens=1024, per_source={"code": {"tokens": 1024}})),
+                sources=[dict(name="code", documents=12, sha256="ab" * 32)])
+    r = argparse.Namespace(cfg=cfg, history=[], phase_step=4, phase_tokens=2048, schedule_start=0, meta=meta,
+                           model=tiny_model(), run_dir=argparse.Namespace(log_path=str(log)),
+                           loader=argparse.Namespace(sequence=16, n_windows=8))
+    return progress.card(r, train.learning_rate)
+
+
+def test_the_model_card_is_usable_on_the_hub(tmp_path):
+    """The card's "Use" loads the hub id (--hub_id, else a placeholder it says to replace), never only a local
+    path; an intended use and limitations section states the run's size, tokens, data (and how often it was
+    read), context and what was not evaluated; a missing license is said in a line of its own."""
+    card = card_of(tmp_path)
+    use = card.split("## Use")[1].split("##")[0]
+    assert 'pipeline("fill-mask", model="USER/NAME")' in use and "Replace `USER/NAME` with the hub repository" in use
+    assert 'hf upload USER/NAME out/code-clm --exclude "checkpoints/*"' in use and "--hub_id" in use
+    limits = card.split("## Intended use and limitations")[1].split("\n## ")[0]
+    params = tiny_model().num_params()
+    for words in (f"{params:,} parameters", "on 2,048 tokens (after the training of the model it started from)",
+                  "windows of 128 tokens", "(code; 1,024 training tokens, read 2.00 times: it may reproduce",
+                  "Measured: validation MLM and CLM losses", "Not evaluated: any downstream task",
+                  "inputs longer than 128 tokens"):
+        assert words in limits, words
+    assert "**No license was given**" in card and "license" not in front_matter(card)
+    card = card_of(tmp_path, hub_id="me/code-clm", license="apache-2.0")
+    use = card.split("## Use")[1].split("##")[0]
+    assert 'model="me/code-clm"' in use and "USER/NAME" not in use
+    assert "No license was given" not in card and "`apache-2.0`" in card
+    assert front_matter(card)["license"] == "apache-2.0"
+
+
 def latest_step(out):
     return RunDir.open(str(out)).latest_state()["phase_step"]
 

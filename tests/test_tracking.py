@@ -35,11 +35,14 @@ def numbers(out):
             for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
 
 
-def test_tensorboard_holds_log_jsonl_and_a_resume_continues_its_curves(demo_corpus, tmp_path):
+def test_tensorboard_holds_log_jsonl_and_a_resume_continues_its_curves(demo_corpus, tmp_path, capsys):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                       reason="tensorboard is not installed (pip install tensorboard)")
     out = tmp_path / "run"
     interrupted_and_resumed(demo_corpus, out, "tensorboard", lost_a_step=True)
+    said = f"TensorBoard event files in {out}/tensorboard/; to view them: tensorboard --logdir {out}/tensorboard"
+    printed = capsys.readouterr().out  # at each start, and in the summary of the finished run
+    assert printed.count(f"tracked: {said}") == 2 and printed.count(f"tracked:    {said}") == 1
     events = accumulator.EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     scalars = [(tag, e.step, e.value) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)]
@@ -207,3 +210,14 @@ def test_a_picture_or_card_that_fails_is_a_warning_and_the_checkpoints_are_kept(
     assert warnings == [f"warning: {what} failed (ValueError: a bug in the drawing); training goes on"] * 3  # 3 saves
     assert RunDir.open(str(out)).latest_state()["phase_step"] == 5
     assert (out / "loss.png").is_file() == (broken == "card") and (out / "README.md").is_file() == (broken == "picture")
+
+
+def test_each_tracker_says_where_its_records_are_and_how_to_view_them(monkeypatch):
+    for name in ("WANDB_PROJECT", "TRACKIO_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRACKIO_PROJECT", "mine")
+    board, wandb, trackio = tracking.where("tensorboard, wandb,trackio", "out/run")
+    assert board == ("TensorBoard event files in out/run/tensorboard/; to view them: tensorboard --logdir "
+                     "out/run/tensorboard (then open http://localhost:6006)")
+    assert "run run of project modernbert" in wandb and "wandb sync out/run/wandb/offline-run-*" in wandb
+    assert trackio.endswith("trackio show --project mine") and tracking.where("", "out/run") == []

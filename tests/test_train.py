@@ -1,5 +1,6 @@
 """train.py and freeze.py: the optimizer against torch.optim.AdamW, the schedules, the phase hand-off,
 exact resume, DDP equivalence and freezing that really freezes."""
+import argparse
 import dataclasses
 import json
 import math
@@ -64,16 +65,13 @@ def run(corpus, out_dir, *flags):
 
 
 def printed_commands(text):
-    """The commands a run printed, by label: `next:` and `longer:` lines, the line after `Continue with:`, and
-    the command a hand-off that warms up again suggests instead."""
+    """The commands a run printed, by label: `next:` and `longer:` lines and the line after `Continue with:`."""
     found, lines = {}, text.splitlines()
     for i, line in enumerate(lines):
         if line.endswith("Continue with:"):
             found.setdefault("continue", []).append(lines[i + 1].strip())
         if m := re.match(r"(next|longer): +(.*?)   # ", line):
             found.setdefault(m[1], []).append(m[2])
-        if m := re.search(r"itself for longer instead, its schedule kept: (.*)$", line):
-            found.setdefault("instead", []).append(m[1])
     return found
 
 
@@ -678,17 +676,17 @@ def test_every_command_the_demo_chain_prints_runs_as_printed(demo_corpus, tmp_pa
                                                                                    10 * STEP_TOKENS)
     assert lrs("out/demo-mlm-decay") == [2e-3]
     capsys.readouterr()
-    run_printed(said["longer"][0])  # the same run and schedule, twice the budget
+    start = (tmp_path / "out/demo-mlm/model.safetensors").read_bytes()
+    run_printed(said["longer"][0])  # as many tokens again, its schedule kept, into a run of its own
     printed = capsys.readouterr().out
-    assert "its budget goes from 5,120 to 10,240 tokens" in printed and latest("out/demo-mlm")["phase_step"] == 20
+    assert (tmp_path / "out/demo-mlm/model.safetensors").read_bytes() == start  # what others start from stays
+    assert latest("out/demo-mlm")["phase_step"] == 10 and latest("out/demo-mlm-longer")["phase_step"] == 10
     whole = train.Config(lr=2e-3, warmup_tokens=2048, tokens=20 * STEP_TOKENS)
-    assert lrs("out/demo-mlm") == [train.learning_rate(whole, k * STEP_TOKENS) for k in range(20)]
-    before = (tmp_path / "out/demo-mlm-decay/model.safetensors").read_bytes()
+    assert lrs("out/demo-mlm") + lrs("out/demo-mlm-longer") == \
+        [train.learning_rate(whole, k * STEP_TOKENS) for k in range(20)]
     (decay_again,) = printed_commands(printed)["next"]
-    assert "--out_dir=out/demo-mlm-decay-2" in decay_again  # the default is the first decay's
     run_printed(decay_again)
-    assert latest("out/demo-mlm-decay-2")["phase_tokens"] == 2 * STEP_TOKENS  # 10% of the longer run
-    assert (tmp_path / "out/demo-mlm-decay/model.safetensors").read_bytes() == before
+    assert latest("out/demo-mlm-longer-decay")["phase_tokens"] == 2 * STEP_TOKENS  # 10% of both mlm runs
 
     train.main(["--phase=clm", "--init_from=out/demo-mlm", "--weights_only", *tiny])  # the detour
     said = printed_commands(capsys.readouterr().out)
@@ -702,6 +700,47 @@ def test_every_command_the_demo_chain_prints_runs_as_printed(demo_corpus, tmp_pa
     pytest.importorskip("transformers")
     exec(code, {})
     assert "'token_str'" in capsys.readouterr().out  # five guesses for [MASK]
+
+
+def finished_run(out, history=(), **flags):
+    """What progress.continuations reads of a demo run that has run its budget (no training)."""
+    cfg = train.resolve_config({"out_dir": str(out), **flags})
+    per_step = cfg.batch_size * cfg.seq_len
+    steps = cfg.tokens // per_step
+    r = argparse.Namespace(cfg=cfg, phase_step=steps, phase_tokens=steps * per_step, schedule_start=0,
+                           history=list(history))
+    return r, steps
+
+
+def hint_flags(r, steps):
+    return {label: shlex.split(line)[2:] for label, line, _ in progress.continuations(r, steps, train.learning_rate)}
+
+
+def test_a_hint_never_changes_a_run_that_exists(tmp_path):
+    """Once a run has run its budget, its hints write new run directories: the longer run is a hand-off of the
+    same phase into OUT-longer (then -longer-2, ...), its objective, masking and freezing given, no second warmup,
+    where every step would run at the peak; the decay takes a free name too, and 10% of a longer chain's tokens."""
+    out = tmp_path / "demo-mlm"
+    r, steps = finished_run(out)
+    said = hint_flags(r, steps)
+    assert said["longer"] == ["--phase=mlm", f"--init_from={out}", f"--out_dir={out}-longer", "--mask_rate=0.3",
+                              "--tokens=1250000", "--warmup_tokens=0"]
+    assert said["next"] == ["--phase=decay", f"--init_from={out}"]
+    for taken in (f"{out}-longer", f"{out}-decay", f"{out}-longer-2"):
+        os.makedirs(taken)
+    said = hint_flags(r, steps)
+    assert f"--out_dir={out}-longer-3" in said["longer"] and f"--out_dir={out}-decay-2" in said["next"]
+    r, steps = finished_run(out, phase="clm", freeze="low")
+    assert hint_flags(r, steps)["longer"][:4] == ["--phase=clm", f"--init_from={out}", f"--out_dir={out}-longer-3",
+                                                  "--freeze=low"]
+    chain = [dict(phase="mlm", tokens=1249280, dir=str(out))]
+    r, steps = finished_run(f"{out}-longer", chain, init_from=str(out), warmup_tokens=0, tokens=1_250_000)
+    assert hint_flags(r, steps)["next"] == ["--phase=decay", f"--init_from={out}-longer", "--tokens=249856"]
+    for flags in ({"schedule": "1-sqrt"}, {"warmup_tokens": 2_000_000}):  # a rate that would change, a warmup
+        r, steps = finished_run(out, **flags)                               # not done: no longer hint
+        assert "longer" not in hint_flags(r, steps)
+    r.phase_step -= 1
+    assert hint_flags(r, steps) == {"continue": ["--resume", f"--out_dir={out}"]}
 
 
 def test_the_rest_of_a_schedule_runs_as_printed(corpus, tmp_path, capsys):
@@ -721,24 +760,26 @@ def test_the_rest_of_a_schedule_runs_as_printed(corpus, tmp_path, capsys):
 @pytest.mark.parametrize("schedule", [["--schedule=constant"], ["--schedule=wsd", f"--decay_tokens={2 * STEP_TOKENS}"]],
                          ids=["constant", "wsd-before-its-decay"])
 def test_a_run_made_longer_equals_the_run_given_that_budget_from_the_start(schedule, corpus, tmp_path, capsys):
-    """`--resume --tokens=N` (the `longer:` line of a finished constant run) continues the run bit for bit as if
-    it had been given N from the start: weights, Adam moments and every step's learning rate. A WSD run grows the
-    same way while its decay has not started; once a step ran in the decay, a new budget is refused."""
+    """The `longer:` line of a finished constant run, a hand-off into a run directory of its own with no second
+    warmup, continues it bit for bit as if it had been given that budget from the start: weights, Adam moments
+    and every step's learning rate. `--resume --tokens=N` grows a WSD run the same way, in place, while its decay
+    has not started; once a step ran in the decay, a new budget is refused."""
     flags = [f"--data={corpus}", *small(*schedule, "--save_interval=1")]
     train.main([*flags, f"--tokens={6 * STEP_TOKENS}", f"--out_dir={tmp_path / 'straight'}"])
-    out = tmp_path / "run"
+    out = end = tmp_path / "run"
     capsys.readouterr()
-    if schedule == ["--schedule=constant"]:
+    if schedule == ["--schedule=constant"]:  # the hint: a hand-off into run-longer, the same steps
         train.main([*flags, f"--tokens={3 * STEP_TOKENS}", f"--out_dir={out}"])
         (longer,) = printed_commands(capsys.readouterr().out)["longer"]
         run_printed(longer)
+        end = tmp_path / "run-longer"
     else:  # 2 of 4 steps: its decay, over the last 2, has not started
         train.main([*flags, f"--tokens={4 * STEP_TOKENS}", "--max_steps=2", f"--out_dir={out}"])
         train.main([f"--out_dir={out}", "--resume", f"--tokens={6 * STEP_TOKENS}"])
     for name in ("model.safetensors", "optimizer.safetensors"):
-        straight, longer = (load_file(os.path.join(latest(d)["dir"], name)) for d in (tmp_path / "straight", out))
+        straight, longer = (load_file(os.path.join(latest(d)["dir"], name)) for d in (tmp_path / "straight", end))
         assert straight.keys() == longer.keys() and all(torch.equal(straight[k], longer[k]) for k in straight)
-    assert lrs(out) == lrs(tmp_path / "straight") and latest(out)["adam_t"] == 6
+    assert lrs(out) + (lrs(end) if end != out else []) == lrs(tmp_path / "straight") and latest(end)["adam_t"] == 6
     if schedule != ["--schedule=constant"]:
         with pytest.raises(InputError, match="would give the step at token 2,560 the learning rate"):
             train.main([f"--out_dir={out}", "--resume", f"--tokens={8 * STEP_TOKENS}"])
@@ -746,7 +787,7 @@ def test_a_run_made_longer_equals_the_run_given_that_budget_from_the_start(sched
 
 def test_a_hand_off_to_the_same_phase_that_warms_up_again_says_so(corpus, tmp_path, capsys):
     """A same-phase hand-off without a shared --schedule_tokens starts a new schedule: one line says the rate warms
-    up from 0 again and why, and names the command that makes the parent longer instead, which runs as printed."""
+    up from 0 again and why, and which flag goes on with the parent's schedule instead (the parent unchanged)."""
     first = tmp_path / "first"
     run(corpus, first, f"--tokens={3 * STEP_TOKENS}")
     capsys.readouterr()
@@ -755,7 +796,8 @@ def test_a_hand_off_to_the_same_phase_that_warms_up_again_says_so(corpus, tmp_pa
     assert "the schedule starts again: the learning rate warms up from 0 over 1,024 tokens (a hand-off continues " \
            "its parent's schedule only where both give the same --schedule and --schedule_tokens" in printed
     assert lrs(tmp_path / "again")[0] == 0.0
-    (instead,) = printed_commands(printed)["instead"]
-    assert instead.endswith(f"--resume --out_dir={first} --tokens={5 * STEP_TOKENS}")
-    run_printed(instead)
-    assert lrs(first) == [0.0, 5e-4] + [1e-3] * 3 and latest(first)["phase_step"] == 5
+    assert f"To go on with {first}'s schedule instead (its peak rate from the first step), pass " \
+           f"--warmup_tokens=0" in printed
+    run(corpus, tmp_path / "kept", f"--tokens={2 * STEP_TOKENS}", f"--init_from={first}", "--warmup_tokens=0")
+    assert "the schedule starts again" not in capsys.readouterr().out
+    assert lrs(tmp_path / "kept") == [1e-3] * 2 and lrs(first) == [0.0, 5e-4, 1e-3]

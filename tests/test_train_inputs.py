@@ -127,6 +127,7 @@ BAD_FLAGS = [
     (["--license=Apache 2.0"], ["--license='Apache 2.0'", "apache-2.0"]),  # the model card's front matter
     (["--language=English"], ["--language='English'", "en,de"]),
     (["--base_model=a/b/c"], ["--base_model='a/b/c'", "hub id"]),
+    (["--hub_id=mymodel"], ["--hub_id='mymodel'", "USER/NAME"]),  # the card's "Use" loads it from the hub
     # accepted by the flags, beyond what a checkpoint holds (integers below 2**62, strings of 4,096 characters):
     # refused before the first step, not at the first save after it (--max_steps: a step that would be lost)
     (["--tokens=5e18", "--max_steps=1"], ["--tokens=5000000000000000000", "a checkpoint cannot hold it",
