@@ -25,7 +25,9 @@ import mmap
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -152,7 +154,7 @@ class Loader:
             raise InputError(f"{self.path}: id {x[i].max()} in tokens {start} to {start + T - 1}, "
                              f"above the vocabulary of {vocab} (a file of another tokenizer or "
                              f"dtype?)")
-        x, y = OBJECTIVES[self.objective](x, g, self.vocab, self.mask_rate, self.mask_seed)
+        x, y = OBJECTIVES[self.objective].labels(x, g, self.vocab, self.mask_rate, self.mask_seed)
         return torch.from_numpy(x), torch.from_numpy(y)  # (B, T) each
 
     def prepare(self):
@@ -220,7 +222,9 @@ def val_batches(data_dir, seq_len, n_sequences, micro_batch_size, objective, mas
 # x holds the windows of the global sequences g; a label -100 takes no loss. Each function depends
 # on g and the seed only, never on a counter or a global RNG: a batch is rebuilt exactly from its
 # position on resume, on any number of ranks. A new objective, or a masking rate that is a
-# function of g (a schedule), is one function and one entry in OBJECTIVES.
+# function of g (a schedule), is one function and one entry in OBJECTIVES, which also says whether
+# it attends causally and whether mask_rate picks its predicted positions: what the trainer, its
+# checks and its FLOP count read of an objective, never its name.
 
 
 def mlm_labels(x, g, vocab, rate, seed):
@@ -250,7 +254,15 @@ def clm_labels(x, g, vocab, rate, seed):
     return x, y
 
 
-OBJECTIVES = {"mlm": mlm_labels, "clm": clm_labels}
+@dataclass(frozen=True)
+class Objective:
+    labels: Callable  # (x, g, vocab, rate, seed) -> (inputs, labels)
+    causal: bool  # attention: causal (each position sees those before it) or bidirectional
+    masked: bool  # mask_rate picks the positions predicted (else every position is)
+
+
+OBJECTIVES = {"mlm": Objective(mlm_labels, causal=False, masked=True),
+              "clm": Objective(clm_labels, causal=True, masked=False)}
 
 
 class Vocab:

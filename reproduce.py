@@ -333,6 +333,7 @@ def gpu_hours(stages, s, start):
     the recipe's sequence length, causal for CLM, the head on masked positions only for MLM) at MFU of the H100's
     bf16 peak. A decay without --tokens runs 10% of the run it continues, as train.py does."""
     import torch
+    from data import OBJECTIVES
     from machinery.progress import PEAK_FLOPS
     from model import ModernBERT, ModernBERTConfig
     from train import PHASES, RECIPES, Config
@@ -346,9 +347,9 @@ def gpu_hours(stages, s, start):
     for st in (st for st in stages if st.run_dir):
         phase = PHASES[flag(st.command, "phase")]
         tokens[st.name] = int(flag(st.command, "tokens", 0)) or tokens[st.continues] // 10
-        causal = phase["objective"] == "clm"
-        rate = 1.0 if causal else float(flag(st.command, "mask_rate", phase.get("mask_rate", recipe["mask_rate"])))
-        per_token = model.flops_per_token(recipe["seq_len"], causal, rate)
+        objective = OBJECTIVES[phase["objective"]]
+        rate = float(flag(st.command, "mask_rate", phase.get("mask_rate", recipe["mask_rate"])))
+        per_token = model.flops_per_token(recipe["seq_len"], objective.causal, rate if objective.masked else 1.0)
         hours[st.name] = tokens[st.name] * per_token / (MFU * PEAK_FLOPS["H100"]) / 3600
     return hours
 
@@ -489,13 +490,14 @@ def needle_summary(path):
 def runs_summary(stages):
     """Per training stage: tokens trained, its validation points (every eval) and lr, the chain it continues, and
     what it trained, from the configuration its last checkpoint holds (`how`: e.g. 'mlm 40% masked, wsd')."""
+    from data import OBJECTIVES
     from machinery.curves import read_log
     from machinery.rundir import latest_state
     summary = {}
     for s in (s for s in stages if s.run_dir):
         records, c = read_log(Path(s.run_dir) / "log.jsonl"), latest_state(s.run_dir)["config"]
         train, val = [r for r in records if "loss" in r], [r for r in records if "val_mlm" in r]
-        rate = f" {c['mask_rate']:.0%} masked" if c["objective"] == "mlm" else ""
+        rate = f" {c['mask_rate']:.0%} masked" if OBJECTIVES[c["objective"]].masked else ""
         summary[s.name] = dict(
             tokens=max([r["tokens"] for r in train], default=0), continues=s.continues, objective=c["objective"],
             how=f"{c['objective']}{rate}, {c['schedule']}" + (f", frozen: {c['freeze']}" if c["freeze"] else ""),

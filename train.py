@@ -240,7 +240,7 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
         for x, y in data.val_batches(data_dir, seq_len, n_sequences, batch_size, objective, rate):
             docs = None if doc_sep_id is None else data.document_ids(x, doc_sep_id).to(device)
             with cli.autocast(device, dtype):
-                _, loss = model(x.to(device), labels=y, causal=objective == "clm", doc_ids=docs)
+                _, loss = model(x.to(device), labels=y, causal=data.OBJECTIVES[objective].causal, doc_ids=docs)
             summed, n = token_sum(loss, y)
             total, count = total + summed, count + n
         losses[f"val_{objective}"] = total.item() / max(count, 1)
@@ -433,10 +433,10 @@ def setup(given):
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
                                 dataclasses.asdict(cfg), phase_step + 1)
     return progress.Run(cfg=cfg, how=how, model=model, ddp_model=ddp_model, optimizer=optimizer, loader=loader,
-                        frozen=frozen, meta=meta, tokenizer=tokenizer, run_dir=run_dir, tracker=tracker,
-                        device=device, rank=rank, world=world, accum=cfg.batch_size // (micro * world),
-                        phase_step=phase_step, phase_tokens=phase_tokens, schedule_start=start,
-                        history=history, code=code_version())
+                        objective=data.OBJECTIVES[cfg.objective], frozen=frozen, meta=meta, tokenizer=tokenizer,
+                        run_dir=run_dir, tracker=tracker, device=device, rank=rank, world=world,
+                        accum=cfg.batch_size // (micro * world), phase_step=phase_step, phase_tokens=phase_tokens,
+                        schedule_start=start, history=history, code=code_version())
 
 
 def train(r):
@@ -449,8 +449,9 @@ def train(r):
     check_savable(checkpoint_state(r, []), max(0, total_steps - r.phase_step), per_step, FIELDS)  # before any step
     if r.rank == 0:
         progress.plan(r, total_steps)
-    predicted = cfg.mask_rate if cfg.objective == "mlm" else 1.0  # CLM predicts every token
-    flops = model.flops_per_token(cfg.seq_len, cfg.objective == "clm", predicted)
+    objective = data.OBJECTIVES[cfg.objective]
+    predicted = cfg.mask_rate if objective.masked else 1.0  # the share of positions through the head
+    flops = model.flops_per_token(cfg.seq_len, objective.causal, predicted)
     peak = peak_flops(r.device)
     first_step, t_start, anyone_stopping = r.phase_step, time.time(), False
     if r.rank == 0 and r.phase_step == 0 and STARTS[r.how].weights:  # a continued run's curve starts at its start
@@ -466,7 +467,7 @@ def train(r):
                 x, y = r.loader.next()  # (micro, T) ids on the device, labels on the host
                 docs = data.document_ids(x, r.meta["sep_id"]) if cfg.separate_documents else None
                 with cli.autocast(r.device, cfg.dtype):
-                    _, loss = r.ddp_model(x, labels=y, causal=cfg.objective == "clm", doc_ids=docs)
+                    _, loss = r.ddp_model(x, labels=y, causal=objective.causal, doc_ids=docs)
                 # The gradient is the mean of the micro-batch means, as it always was: weighting it
                 # by tokens would change every trained number. Only the logged loss is per token.
                 (loss / r.accum).backward()

@@ -104,7 +104,7 @@ def objective_of(config, phase):
         return "CLM (next token)"
     if config.get("objective") == "mlm":
         return f"MLM, {config['mask_rate']:.0%} masked"
-    return f"{phase} phase"
+    return f"{config['objective']} objective" if config.get("objective") else f"{phase} phase"  # one of yours
 
 
 def segment(phase, run_dir, offset, records, until=None, config=None):

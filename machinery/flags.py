@@ -124,7 +124,8 @@ def check(cfg, allowed, world):
     check_names({key: getattr(cfg, key) for key in allowed}, allowed)
     finite = math.isfinite
     rules = [
-        (cfg.objective == "clm" or 0 < cfg.mask_rate < 1, f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
+        (not allowed["objective"][cfg.objective].masked or 0 < cfg.mask_rate < 1,
+         f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
         (cfg.data != "", "--data is required: a directory written by `python data.py prepare`"),
         (cfg.tokens != 0 or cfg.init_from != "scratch",
          f"--phase={cfg.phase} needs --init_from (the run it continues) or --tokens: 0 means 10% of that run's"),
@@ -182,7 +183,7 @@ def check(cfg, allowed, world):
         raise InputError(f"--batch_size={cfg.batch_size} cannot be split into micro-batches of {micro} on {world} "
                          f"process(es); change --micro_batch_size so that batch_size = micro_batch_size x "
                          f"processes x k")
-    if cfg.objective == "mlm" and cfg.mask_rate * micro * cfg.seq_len < 1:  # a micro-batch with no label adds 0
+    if allowed["objective"][cfg.objective].masked and cfg.mask_rate * micro * cfg.seq_len < 1:  # no label: adds 0
         raise InputError(f"--mask_rate={cfg.mask_rate} masks {cfg.mask_rate * micro * cfg.seq_len:.2g} tokens of a "
                          f"micro-batch of {micro} x {cfg.seq_len} on average: most would have nothing to predict; "
                          f"raise --mask_rate, --micro_batch_size or --seq_len")
@@ -302,10 +303,18 @@ def check_handoff(cfg, parent):
                              f"--{key} out, or take its weights alone with --weights_only")
 
 
+# Architecture beyond a preset's sizes: a model that changes one of them (a ReGLU MLP, another window) is no preset's
+SHAPE = ("hidden_activation", "global_attn_every_n_layers", "local_attention", "global_rope_theta",
+         "local_rope_theta", "norm_eps")
+
+
 def preset_of(config, presets):
-    """The name of the row of `presets` whose architecture a checkpoint's config has, or "" (none has it)."""
+    """The name of the row of `presets` whose architecture a checkpoint's config has (its sizes, and SHAPE's fields
+    at their defaults), or "" (none has it)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    same_shape = all(getattr(config, key) == defaults[key] for key in SHAPE if key in defaults)
     return next((name for name, dims in presets.items()
-                 if all(getattr(config, key) == value for key, value in dims.items())), "")
+                 if same_shape and all(getattr(config, key) == value for key, value in dims.items())), "")
 
 
 def check_preset(preset, config, init_from, presets):

@@ -13,7 +13,7 @@ import torch
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, launcher
 from machinery.curves import run_dir_of, saved_config
-from machinery.rundir import ROOT, RunDir, continuation_dir, latest_state
+from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
 # part of the device name, the first that matches: the PCIe and NVL boards before the SXM parts whose names they
@@ -46,6 +46,7 @@ class Run:
     ddp_model: torch.nn.Module  # the model itself on one process
     optimizer: object  # train.py's AdamW
     loader: object  # data.py's Loader
+    objective: object  # data.py's OBJECTIVES entry: whether it attends causally, whether mask_rate applies
     frozen: set  # parameter names the optimizer skips
     meta: dict  # the data's meta.json
     tokenizer: object
@@ -72,6 +73,10 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
     print(f"{where}; carries over: {', '.join(kept) or 'nothing'}"
           + (f"; fresh: {', '.join(fresh)}" if kept and fresh else ""))
     saved = state["config"] if state else {}
+    if how == "resume" and state["code"].get("sha256") != code_version()["sha256"]:  # resume promises bit for bit
+        print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (the lesson files or "
+              f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was",
+              file=sys.stderr)
     if how == "resume" and saved["tokens"] != cfg.tokens:
         print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
               f"their learning rates")
@@ -116,7 +121,8 @@ def plan(r, total_steps):
         backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
     print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}")
-    objective = "CLM, causal mask" if cfg.objective == "clm" else f"MLM at {cfg.mask_rate:.0%}, bidirectional"
+    objective = (f"{cfg.objective.upper()}" + (f" at {cfg.mask_rate:.0%}" if r.objective.masked else "") +
+                 (", causal mask" if r.objective.causal else ", bidirectional"))
     print(f"recipe {cfg.recipe}, phase {cfg.phase}: {objective}; schedule {cfg.schedule} over "
           f"{cfg.schedule_tokens or cfg.tokens:,} tokens, this phase from token {r.schedule_start:,} of it; "
           f"frozen blocks: {cfg.freeze or 'none'}")
@@ -191,7 +197,7 @@ def continuations(r, total_steps, learning_rate):
         return [("continue", command("--resume", f"--out_dir={out}"), "to the end of its budget")]
     rest = cfg.schedule_tokens - r.schedule_start - r.phase_tokens if cfg.schedule_tokens else 0
     if rest >= per_step:  # a hand-off continues the schedule (MLM after CLM, as the biphasic study)
-        mlm = [f"--mask_rate={cfg.mask_rate}"] if cfg.objective == "mlm" else []
+        mlm = [f"--mask_rate={cfg.mask_rate}"] if r.objective.masked else []
         return [("next", handoff(out, "mlm", *mlm, f"--schedule={cfg.schedule}",
                                  f"--schedule_tokens={cfg.schedule_tokens}", f"--tokens={rest}"),
                  "the rest of its schedule")]
@@ -199,8 +205,9 @@ def continuations(r, total_steps, learning_rate):
         return []
     hints = []
     if not cfg.schedule_tokens and at_its_peak(cfg, r.schedule_start + r.phase_tokens, cfg.tokens, learning_rate):
-        hints.append(("longer", handoff(out, cfg.phase, *same_objective(cfg), f"--tokens={cfg.tokens}",
-                                        "--warmup_tokens=0", name="longer"),
+        same = same_objective(cfg, r.objective.masked)
+        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={cfg.tokens}", "--warmup_tokens=0",
+                                        name="longer"),
                       f"as many tokens again, its schedule kept, into a run of its own: {out} stays as it is"))
     phase_tokens = r.phase_tokens + sum(h["tokens"] for h in same_phase_before(r.history, cfg.phase))
     if cfg.schedule == "constant" and phase_tokens // 10 >= per_step:  # a decay's default is 10% of its parent's
@@ -220,11 +227,12 @@ def same_phase_before(history, phase):
     return before
 
 
-def same_objective(cfg):
+def same_objective(cfg, masked):
     """The flags that give a hand-off the objective of the run it continues, where its phase's preset does not:
-    a hand-off inherits the model, data and optimizer (train.INHERITED), not the objective or the freezing."""
+    a hand-off inherits the model, data and optimizer (train.INHERITED), not the objective or the freezing.
+    masked: whether the objective's positions are picked by mask_rate."""
     return [*([f"--objective={cfg.objective}"] if cfg.objective != cfg.phase else []),
-            *([f"--mask_rate={cfg.mask_rate}"] if cfg.objective == "mlm" else []),
+            *([f"--mask_rate={cfg.mask_rate}"] if masked else []),
             *([f"--freeze={cfg.freeze}"] if cfg.freeze else [])]
 
 
@@ -426,7 +434,7 @@ def row(c):
     config = c["config"]
     if not config:
         return f"| {c['phase']} | | {c['tokens']:,} | | `{run_dir_of(c['dir'])}` |"
-    objective = "CLM" if config["objective"] == "clm" else f"MLM {config['mask_rate']:.0%}"
+    objective = {"clm": "CLM", "mlm": f"MLM {config['mask_rate']:.0%}"}.get(config["objective"], config["objective"])
     warmup = f", warmup {config['warmup_tokens']:,}" if config["warmup_tokens"] else ""
     budget = config["schedule_tokens"] or config["tokens"]
     return f"| {c['phase']} | {objective} | {c['tokens']:,} | {config['schedule']} over {budget:,}{warmup} | " \

@@ -888,7 +888,7 @@ def test_masking_rate_schedule_is_one_function(byte_data, monkeypatch):
     are rebuilt exactly from the saved position."""
     def mlm_ramp(x, g, vocab, rate, seed):  # rate * g / 32, up to rate
         return data.mlm_labels(x, g, vocab, rate * np.minimum(1.0, g / 32), seed)
-    monkeypatch.setitem(data.OBJECTIVES, "mlm_ramp", mlm_ramp)
+    monkeypatch.setitem(data.OBJECTIVES, "mlm_ramp", data.Objective(mlm_ramp, causal=False, masked=True))
     ramp = loader(byte_data, objective="mlm_ramp", batch_size=16, micro_batch_size=16)
     x, y = (torch.cat(t) for t in zip(*[ramp.next() for _ in range(4)]))  # sequences 0..63
     maskable = torch.where(y == -100, x, y) < 256  # the original tokens that are not special

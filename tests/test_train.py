@@ -247,6 +247,30 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]  # training records; validation has its own
 
 
+def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path, monkeypatch, capsys):
+    run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={3 * STEP_TOKENS}", "--max_steps=1")
+    capsys.readouterr()
+    from machinery import progress
+    real = progress.code_version
+    monkeypatch.setattr(progress, "code_version", lambda: {**real(), "sha256": "an edited data.py"})
+    run(corpus, tmp_path / "run", "--resume")
+    assert "warning: the code changed since" in capsys.readouterr().err
+
+
+def test_what_an_objective_is_comes_from_its_table_entry(monkeypatch):
+    """A new objective is one function and one entry in data.OBJECTIVES: the checks, the FLOP count's share of
+    predicted positions and the start line read its entry (causal, masked), never its name."""
+    monkeypatch.setitem(data.OBJECTIVES, "next2", data.Objective(data.clm_labels, causal=True, masked=False))
+    cfg = configure(small("--data=d", "--objective=next2", "--mask_rate=0"))  # no masking rate to check
+    assert cfg.objective == "next2"
+    monkeypatch.setitem(data.OBJECTIVES, "ramp", data.Objective(data.mlm_labels, causal=False, masked=True))
+    with pytest.raises(InputError, match="--mask_rate=0.0: expected 0 < rate < 1"):
+        configure(small("--data=d", "--objective=ramp", "--mask_rate=0"))
+    config = ModernBERTConfig.from_preset("tiny", **BYTE_IDS)
+    assert flag_rules.preset_of(config, train.PRESETS) == "tiny"
+    assert flag_rules.preset_of(config.replace(hidden_activation="silu"), train.PRESETS) == ""  # a SwiGLU: no preset
+
+
 def test_a_save_finds_its_steps_validation_already_logged(corpus, tmp_path, monkeypatch):
     """A kill right after a save loses no curve point, and the run's loss picture (drawn at the save) shows
     the validation of the step it saves."""
