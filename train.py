@@ -441,7 +441,7 @@ def setup(given):
 
 def train(r):
     """The loop: micro-batches accumulate gradients, then one clipped AdamW step; log, save,
-    validate. Returns (budget steps, whether a signal (Ctrl-C, SIGTERM) stopped it, seconds)."""
+    validate. Returns (budget steps, the signal that stopped it (Ctrl-C's SIGINT, SIGTERM) or None, seconds)."""
     cfg, model, params = r.cfg, r.model, list(r.model.parameters())
     per_step, micro_batch = cfg.batch_size * cfg.seq_len, cfg.batch_size // r.accum // r.world
     total_steps = cfg.tokens // per_step
@@ -500,7 +500,8 @@ def train(r):
                                 or r.phase_step in (stop_at, first_step + 1)):
                 eta = (time.time() - t_start) / (r.phase_step - first_step) * (stop_at - r.phase_step)
                 progress.step_line(cfg, record, total_steps, eta)
-    return total_steps, anyone_stopping, time.time() - t_start
+    stopped_by = (signals.signal_name or "SIGINT") if anyone_stopping else None  # another rank's: Ctrl-C, likely
+    return total_steps, stopped_by, time.time() - t_start
 
 
 def validate(r, record, micro_batch):
@@ -541,7 +542,7 @@ def main(argv=None):
                                      __doc__))
     r = setup(given)
     try:
-        total_steps, signalled, elapsed = train(r)
+        total_steps, stopped_by, elapsed = train(r)
     except Exception as e:
         if not cli.out_of_memory(e):
             raise
@@ -549,6 +550,6 @@ def main(argv=None):
     finally:
         r.tracker.close()
     cli.all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
-    progress.finish(r, total_steps, signalled, elapsed, learning_rate)  # the summary, the lock let go, exit 130
+    progress.finish(r, total_steps, stopped_by, elapsed, learning_rate)  # the summary, the lock let go; a Stop
 if __name__ == "__main__":
     cli.run(main)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -291,13 +292,15 @@ def saved(r, learning_rate):
     print(f"saved {r.run_dir.path} at step {r.phase_step}")
 
 
-def finish(r, total_steps, signalled, elapsed, learning_rate):
-    """Rank 0's summary and the run's lock let go; exit status 130 (the shell's for a signal) if one stopped it."""
+def finish(r, total_steps, stopped_by, elapsed, learning_rate):
+    """Rank 0's summary and the run's lock let go. A run a signal stopped (`stopped_by`: its name) ends with a Stop,
+    an interrupt: the script exits 128 + the signal's number, as a shell reports it, and a caller in the same
+    process (a test suite) stops too, rather than taking the Ctrl-C as one test's failure."""
     if r.rank == 0:
-        summary(r, total_steps, signalled, elapsed, learning_rate)
+        summary(r, total_steps, bool(stopped_by), elapsed, learning_rate)
         r.run_dir.unlock()
-    if signalled:
-        raise SystemExit(130)
+    if stopped_by:
+        raise cli.Stop("", signal.Signals[stopped_by])
 
 
 def card(r, learning_rate):

@@ -639,6 +639,23 @@ def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exact
 # --- signals and help ---------------------------------------------------------------------------------
 
 
+def test_ctrl_c_in_the_same_process_saves_and_stops_the_caller_too(corpus, tmp_path, monkeypatch):
+    """A caller of train.main in its own process (a test suite) gets the interrupt after the checkpoint is saved,
+    not a SystemExit it would take as one failure and go on from: one Ctrl-C stops it."""
+    from machinery import progress
+    record = progress.record
+
+    def interrupted_at_step_2(r, *args):
+        if r.phase_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+        return record(r, *args)
+    monkeypatch.setattr(progress, "record", interrupted_at_step_2)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([f"--data={corpus}", *small(f"--tokens={6 * STEP_TOKENS}"), f"--out_dir={tmp_path / 'run'}"])
+    assert latest(tmp_path / "run")["phase_step"] in (2, 3) and signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus, tmp_path):
     flags = [f"--data={corpus}", *small(f"--tokens={6 * STEP_TOKENS}", "--log_interval=1", "--threads=1")]
@@ -651,7 +668,8 @@ def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus,
             proc.send_signal(signum)
             break
     rest, err = proc.communicate()
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err  # 130 for Ctrl-C, 143 for SIGTERM
+    assert err.splitlines()[-1] == f"stopped by {signal.Signals(signum).name}"
     assert "interrupted by a signal" in rest
     assert 2 <= latest(out)["phase_step"] < 6
     (resume,) = printed_commands(rest)["continue"]
