@@ -41,7 +41,6 @@ of the stages it depends on. A command whose stages differ from the ones in OUT 
 task file or flag) is refused, naming the stages that differ: use a new --out. Refused rather than re-run in
 place, because re-running would delete the finished runs of the first command, and a report must never mix two.
 """
-import argparse
 import json
 import math
 import re
@@ -50,7 +49,8 @@ import sys
 import time
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, positive_int, read_json, run as run_main, usable_cores, write_json
+from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
+                           write_json)
 from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
@@ -637,21 +637,10 @@ def parse(argv):
     parser.add_argument("--components", default=None, help="--dry_run: the report.json of a finished run whose "
                         "variance components predict what this plan detects (default: the study's cpu report in "
                         "docs/)")
-    parser.add_argument("--detect", type=points, default=None, help="--dry_run: a true difference in points (x100 of "
+    parser.add_argument("--detect", type=positive_float, default=None, help="--dry_run: a true difference in points (x100 of "
                         "a task's metric, e.g. 2.8) to detect with 80%% power: says how many replicates, seeds or test "
                         "examples would")
     return parser.parse_args(argv)
-
-
-def points(text):
-    """argparse type: a difference in points above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a difference in points above 0 (e.g. 2.8), got {text!r}")
-    return value
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

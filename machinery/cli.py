@@ -3,6 +3,7 @@ device, thread and autocast picker, out-of-memory recognised, output paths check
 out, a file's SHA-256. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
+import math
 import hashlib
 import json
 import os
@@ -319,6 +320,17 @@ def positive_int(text):
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
     return value
 
 

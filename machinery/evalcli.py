@@ -2,13 +2,12 @@
 reader of the recipe may skip this file."""
 import argparse
 import inspect
-import math
 import os
 
 import torch
 
 from machinery import compare, needle
-from machinery.cli import Parser, pick_threads, positive_int
+from machinery.cli import Parser, pick_threads, positive_float, positive_int
 
 
 def seed_list(text):
@@ -41,17 +40,6 @@ def name_list(text, count=None):
         raise argparse.ArgumentTypeError(f"expected {count or 'some'} distinct non-empty names "
                                          f"separated by commas, got {text!r}")
     return names
-
-
-def positive_float(text):
-    """argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-    return value
 
 
 def at_least_three(text):

@@ -457,9 +457,8 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     assert not out.exists()
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"scale": "cpu", "finetune": {}}))
-    for args, message in (([f"--components={source}", "--detect=0"], "--detect: expected a difference in points "
-                                                                       "above 0"),
-                          ([f"--components={source}", "--detect=-1"], "expected a difference in points above 0"),
+    for args, message in (([f"--components={source}", "--detect=0"], "--detect: expected a finite number above 0"),
+                          ([f"--components={source}", "--detect=-1"], "expected a finite number above 0, got '-1'"),
                           ([f"--components={bare}"], "no variance components in it"),
                           ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
         status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", *args)
