@@ -1,5 +1,6 @@
 """Shared test helpers: the repository root on sys.path, where the real data lives, and the few objects
 every test file builds: a tiny model, the torch.optim.AdamW oracle, and a prepared byte-level corpus."""
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# Under `pytest -n N` (pytest-xdist) the N workers share the cores: each takes its share of threads, and so do the
+# processes its tests start. Left at one thread per core each, their spinning thread pools fight when another job
+# holds a core (2 workers on 2 cores with one core busy: 502 s with a thread per core each, 319 s with one each).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    SHARE = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
 
 # Real data is never copied into the repository: tests read it from ../shared beside the checkout.
 SHARED = ROOT.parent / "shared"

@@ -70,6 +70,7 @@ def report(tmp_path_factory):
     return status, stdout.getvalue(), (tmp / "report.md").read_text(), rows, suite, train
 
 
+@pytest.mark.slow  # the tiny preset trained on the CPU by bench.py: about 10 s
 def test_bench_train_prints_the_table_and_the_losses_agree(report):
     _, stdout, _, rows, *_ = report
     lines = [line.split("|") for line in stdout.splitlines() if line.startswith("tiny")]
@@ -167,7 +168,8 @@ def byte_tokenizer(tmp_path):
 DOCUMENT = "A clinical case: the patient was admitted with fever, and treated. " * 3
 BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error line; None: it runs)
     (".txt, blank-line separated", "c.txt", (DOCUMENT + "\n\n") * 150, None),
-    (".jsonl with blank lines", "c.jsonl", (json.dumps({"text": DOCUMENT}) + "\n\n") * 150, None),
+    pytest.param(".jsonl with blank lines", "c.jsonl", (json.dumps({"text": DOCUMENT}) + "\n\n") * 150, None,
+                 marks=pytest.mark.slow),
     (".jsonl with a broken line", "c.jsonl", '{"text": "a"}\n{"text": \n', ["c.jsonl:2", "JSON object"]),
     (".jsonl without the text field", "c.jsonl", '{"body": "a"}\n', ["c.jsonl:1", "'text'"]),
     (".jsonl not UTF-8", "c.jsonl", '{"text": "caf\udce9"}\n', ["c.jsonl:1", "invalid UTF-8"]),
@@ -178,7 +180,7 @@ BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error lin
 ]
 
 
-@pytest.mark.parametrize("case, name, content, expected", BENCH_CORPORA, ids=[c[0] for c in BENCH_CORPORA])
+@pytest.mark.parametrize("case, name, content, expected", BENCH_CORPORA, ids=[getattr(c, "values", c)[0] for c in BENCH_CORPORA])
 def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name, content, expected):
     """`bench.py data` takes what `data.py prepare` takes, with prepare's reader and checks: one error line, exit 2,
     before any timing, or the three measurements (in a process of their own: the loader's bench pins its core)."""
@@ -212,6 +214,7 @@ def table_rows(markdown, first_cell):
     return [[c.strip() for c in r] for r in rows if r[0].strip().startswith(first_cell)]
 
 
+@pytest.mark.slow  # shares the bench run above
 def test_gpu_report_writes_the_suite_and_the_bench_in_one_file(report):
     status, _, markdown, rows, suite, train = report
     assert status == 1  # a test failed

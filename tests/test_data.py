@@ -95,7 +95,8 @@ def test_modernbert_tricky_strings(modernbert):
             assert ours.decode(ours.encode(text)) == unicodedata.normalize("NFC", text)
 
 
-def test_modernbert_every_corpus_document(modernbert):  # ~7 s on 2 cores, mostly the HF side
+@pytest.mark.slow  # ~7 s on 2 cores, mostly the HF side; the golden ids above stay in the default suite
+def test_modernbert_every_corpus_document(modernbert):
     ours, hf = modernbert
     texts = [json.loads(line)["text"] for path in CORPORA for line in open(need(path), encoding="utf-8")]
     mismatched = [i for i, (a, b) in enumerate(zip(ours.encode_batch(texts), hf_ids(hf, texts))) if a != b]

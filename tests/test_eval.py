@@ -238,6 +238,7 @@ def test_cka_markdown_and_figure_state_one_band_rule(tmp_path, monkeypatch):
     assert any("at most 5%" in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
 
 
+@pytest.mark.slow  # two processes that import torch; test_cka_command checks the function this command runs
 def test_cka_cli(byte_models, texts, tmp_path):
     a, b, c = byte_models
     out = tmp_path / "cli" / "cka.json"

@@ -178,6 +178,7 @@ def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_pa
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # three processes that import torch; the needle's science is tested in process above
 def test_needle_cli(models, texts, tmp_path):
     out = tmp_path / "cli" / "needle.json"
     command = [sys.executable, str(ROOT / "eval.py"), "needle", f"{models[0]},{models[1]}", str(models[0]),

@@ -656,7 +656,8 @@ def test_ctrl_c_in_the_same_process_saves_and_stops_the_caller_too(corpus, tmp_p
     assert latest(tmp_path / "run")["phase_step"] in (2, 3) and signal.getsignal(signal.SIGINT) is before
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["SIGINT", "SIGTERM"])
 def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus, tmp_path):
     flags = [f"--data={corpus}", *small(f"--tokens={6 * STEP_TOKENS}", "--log_interval=1", "--threads=1")]
     train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])
@@ -750,7 +751,7 @@ def finished_run(out, history=(), **flags):
     per_step = cfg.batch_size * cfg.seq_len
     steps = cfg.tokens // per_step
     r = argparse.Namespace(cfg=cfg, phase_step=steps, phase_tokens=steps * per_step, schedule_start=0,
-                           history=list(history))
+                           history=list(history), objective=data.OBJECTIVES[cfg.objective])
     return r, steps
 
 
