@@ -171,7 +171,9 @@ def finetune_markdown(comparison, names=None, settings="setting"):
             lines += ["", f"No verdict on {task}: the reference ({name(ref)}) is not informative on dev, so this task "
                           f"cannot rank the arms at this fine-tuning budget." + pretraining_note(t)]
         elif found:
-            lines += ["", f"A true difference of {points(min(found))} to {points(max(found))} points or more would be "
+            least, most = points(min(found)), points(max(found))
+            size = least if least == most else f"{least} to {most}"
+            lines += ["", f"A true difference of {size} points or more would be "
                           f"found 80% of the time (power, from the same variance components as each interval); "
                           f"smaller ones may go unseen." + pretraining_note(t)]
         lines.append("")
