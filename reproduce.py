@@ -2,7 +2,7 @@
 
     python reproduce.py --scale=smoke --out=out/smoke --jobs=2                    # the CLM detour: the pipeline works
     python reproduce.py --study=biphasic --scale=smoke --out=out/bi --jobs=2      # CLM then MLM from scratch
-    python reproduce.py --scale=cpu --out=out/detour-cpu --jobs=2                 # about 80 min of 2 CPU cores
+    python reproduce.py --scale=cpu --out=out/detour-cpu --jobs=2                 # about 3 h of 2 CPU cores
     python reproduce.py --scale=paper --out=out/paper --dry_run                   # print every command, check inputs
 
 Every arm is trained --replicates times (default: 2 at smoke, 3 at cpu and paper scale). Replicate r of every arm
@@ -62,10 +62,11 @@ HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no mod
 # Scales. Budgets in tokens (detour) or optimizer steps of the recipe (biphasic); `replicates`: pretraining runs
 # per arm; `ft`: eval.py finetune's flags, run once per learning rate of `lrs`; a small model fine-tunes best at a
 # larger lr than base's 5e-5; `needle`: eval.py needle at the lengths from `shortest` up to the recipe's seq_len in
-# powers of two (what the models were trained at), its depths and examples per cell. The cpu scales keep within
-# about 80-90 min of 2 idle cores each with 3 replicates (the detour's needle adds about 6 min of one core): the
-# detour's arms are half as long as with one replicate (500k tokens; 1M moved every layer outside the band before),
-# the biphasic budget B is 80 steps (200 with one replicate) and its grid two learning rates and two seeds.
+# powers of two (what the models were trained at), its depths and examples per cell. With 3 replicates the
+# detour's arms are half as long as with one (500k tokens; 1M moved every layer outside the band before) and the
+# biphasic budget B is 80 steps (200 with one replicate), one seed at two learning rates. The fine-tuning below
+# dominates: the detour at cpu scale is an estimated 3 h 5 min of 2 idle cores (15 models x 2 seeds; measured
+# under load: 4 h 15 min wall, 28,553 s summed), the biphasic study about 2 h (30 models x 1 seed, an estimate).
 
 # cpu: every test example; 300 optimizer steps per task and seed, at most 3 epochs (ncbi_disease and chemprot
 # read about 1 epoch, pubmedqa's 300 train examples 3: 57 steps); dev scored twice on at most 1,000 examples;
@@ -616,8 +617,8 @@ def budgets(rep, study, s):
 def parse(argv):
     parser = Parser(description=__doc__)
     parser.add_argument("--study", choices=STUDIES, default="detour", help="which comparison (see above)")
-    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in minutes; cpu: 80-100 "
-                        "min of 2 CPU cores; paper: the papers' budgets on the GPUs present")
+    parser.add_argument("--scale", choices=DETOUR, required=True, help="smoke: the pipeline in minutes; cpu: about 2-3 "
+                        "h of 2 CPU cores; paper: the papers' budgets on the GPUs present")
     parser.add_argument("--replicates", type=positive_int, default=None, help="pretraining runs per arm, paired "
                         "across arms (default: the scale's, 2 at smoke, 3 at cpu and paper; the detour's CKA band "
                         "needs 3)")

@@ -164,9 +164,8 @@ def interval(metric, b, a=None, resamples=2000, seed=0):
     half = t_quantile(0.975, df) * math.sqrt(v)
     mean = float(runs.mean())
     seed_var = float(runs.var(1, ddof=1).mean()) if S > 1 else None  # the seeds' spread within a replicate
-    if R > 1:
+    if R > 1:  # the method of moments: below 0 where the replicate means vary less than their seeds predict
         replicate_var = float(top.var(ddof=1)) - (seed_var or 0.0) / S
-        replicate_var = max(0.0, replicate_var) if seed_var is not None else float(top.var(ddof=1))
     else:
         replicate_var = None  # one pretraining run: its noise is not measured
     components = dict(replicates=R, seeds=S, examples=N, replicate_var=replicate_var, seed_var=seed_var,
@@ -181,14 +180,21 @@ def project(components, replicates, seeds, examples):
     """The standard error, degrees of freedom and detectable difference (80% power) of a design with this many
     replicates, seeds and test examples, from a finished comparison's variance components: the replicate term
     (replicate + seed / seeds) / replicates, the example term example / examples (a test set drawn like the one
-    measured). One replicate: the seeds are the top level and pretraining noise is not counted (as `interval`)."""
+    measured). At the measured design the replicate term is the replicate means' variance, so a report's own
+    detectable difference comes back. The replicate part is an unbiased estimate that noise can put below 0 (the
+    means vary less than their seeds predict); then the means' whole spread is also read as seed noise, and the
+    larger of the two readings is taken, so that more seeds never project a variance of 0. One replicate: the
+    seeds are the top level and pretraining noise is not counted (as `interval`)."""
     c = components
     if replicates > 1:
         if c["replicate_var"] is None:
             raise InputError("these variance components come from one pretraining run per arm: they hold no "
                              "pretraining noise to project onto several replicates")
-        seed_part = 0.0 if c["seeds_inside"] else (c["seed_var"] or 0.0) / seeds
-        v_runs, units = (c["replicate_var"] + seed_part) / replicates, replicates
+        seed_var = 0.0 if c["seeds_inside"] else c["seed_var"] or 0.0
+        unit = c["replicate_var"] + seed_var / seeds
+        if c["replicate_var"] < 0:
+            unit = max(unit, (c["replicate_var"] + seed_var / c["seeds"]) * c["seeds"] / seeds)
+        v_runs, units = unit / replicates, replicates
     else:
         v_runs, units = (c["seed_var"] or 0.0) / seeds, seeds
     v_examples = c["example_var"] / examples

@@ -124,8 +124,21 @@ def test_the_stated_detectable_difference_is_found_80_percent_of_the_time(R, sds
                  for i in range(150)]
     runs = np.mean([iv["sd_runs"] ** 2 * R for iv in estimates])  # the spread of replicate means
     assert runs == pytest.approx(truth["replicate_var"] + truth["seed_var"] / S, rel=0.25)
-    for key in ("seed_var", "example_var"):  # replicate_var alone is cut at 0: biased up (conservative) when small
+    for key in ("seed_var", "example_var"):
         assert np.mean([iv["components"][key] for iv in estimates]) == pytest.approx(truth[key], rel=0.25), key
+    for iv in estimates:  # projected back onto the design it was measured at, a study's components give its own
+        assert cmp.project(iv["components"], R, S, N)["detectable"] == pytest.approx(iv["detectable"], rel=1e-6)
+
+
+def test_a_replicate_part_below_0_never_projects_a_variance_of_0():
+    """Noise can put the replicate part of a report's components below 0 (its means vary less than its seeds
+    predict). At the measured design the projection is the means' variance; with more seeds their whole spread is
+    read as seed noise (2 seeds -> 4 halves it), never the 0 that the plain sum would give."""
+    c = dict(replicates=3, seeds=2, examples=100, replicate_var=-1e-4, seed_var=4e-4, example_var=0.05,
+             seeds_inside=False)
+    assert cmp.project(c, 3, 2, 100)["se"] ** 2 == pytest.approx(1e-4 / 3 + 0.05 / 100)
+    assert cmp.project(c, 3, 4, 100)["se"] ** 2 == pytest.approx(0.5e-4 / 3 + 0.05 / 100)
+    assert cmp.project(c, 3, 1, 100)["se"] ** 2 == pytest.approx(3e-4 / 3 + 0.05 / 100)  # fewer: the plain sum
 
 
 @pytest.mark.parametrize("sds, change", [((0.04, 0.03, 0.15, 0.4), "replicates"),
