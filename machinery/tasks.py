@@ -170,8 +170,8 @@ def subset(examples, n):
 
 
 def carve_dev(task, dev_min):
-    """(train, dev, how): a dev set smaller than dev_min is topped up to dev_min with examples drawn
-    from train (a fixed draw; they leave train), so that choices and the informative rule rest on
+    """(train, dev, how): a dev set smaller than dev_min is topped up to dev_min with examples drawn out of
+    the task's train split (a fixed draw; they leave it), so that choices and the informative rule rest on
     enough examples. 50 dev examples move a score by 1/50 per example."""
     train, own = task["train"], task["dev"]
     carved = max(0, dev_min - len(own))
