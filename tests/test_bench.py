@@ -180,7 +180,8 @@ BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error lin
 ]
 
 
-@pytest.mark.parametrize("case, name, content, expected", BENCH_CORPORA, ids=[getattr(c, "values", c)[0] for c in BENCH_CORPORA])
+@pytest.mark.parametrize("case, name, content, expected", BENCH_CORPORA,
+                         ids=[getattr(c, "values", c)[0] for c in BENCH_CORPORA])
 def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name, content, expected):
     """`bench.py data` takes what `data.py prepare` takes, with prepare's reader and checks: one error line, exit 2,
     before any timing, or the three measurements (in a process of their own: the loader's bench pins its core)."""

@@ -61,8 +61,9 @@ GRAPHS = {("sdpa", "mlm", False): 13, ("sdpa", "clm", False): 13, ("sdpa", "mlm"
 
 def budget_cases():
     """Each CPU-trainable backend (FlexAttention has no CPU backward: the GPU suite's), training phase and mask
-    kind; by default SDPA's MLM on separate documents (3-5 s), the rest with -m slow: SDPA's CLM across documents
-    compiles its most graphs (about 12 s), and the flash test double breaks its graphs on .tolist() (about 28 s a run)."""
+    kind; by default SDPA's MLM on separate documents (3-5 s), the rest with -m slow: SDPA's CLM across
+    documents compiles its most graphs (about 12 s), and the flash test double breaks its graphs on .tolist()
+    (about 28 s a run)."""
     for backend, phase, separate in GRAPHS:
         slow = (backend, phase, separate) != ("sdpa", "mlm", True)
         yield pytest.param(backend, phase, separate, marks=[pytest.mark.slow] * slow,
