@@ -449,7 +449,7 @@ def train(r):
     check_savable(checkpoint_state(r, []), max(0, total_steps - r.phase_step), per_step, FIELDS)  # before any step
     if r.rank == 0:
         progress.plan(r, total_steps)
-    objective = data.OBJECTIVES[cfg.objective]
+    objective = r.objective  # the Run record looked it up once
     predicted = cfg.mask_rate if objective.masked else 1.0  # the share of positions through the head
     flops = model.flops_per_token(cfg.seq_len, objective.causal, predicted)
     peak = peak_flops(r.device)
