@@ -156,8 +156,16 @@ def compiled(fn, dynamic):
 
 def allow_graphs(n):
     """Let dynamo keep n compiled graphs per function. Past its recompile_limit (8 by default) it warns and runs
-    the function eager from then on: on a GPU, that is every step at a fraction of the speed."""
+    the function eager from then on: on a GPU, that is every step at a fraction of the speed.
+    And let inductor choose its kernels' settings without timing them. By default it times a reduction's block
+    sizes and warps at first launch and keeps the fastest: a choice that changes the order of the sums and can
+    differ between two processes, so a resumed run could round differently from the uninterrupted one, and
+    --resume promises the same bits. (The kill-and-resume test failed once, of two runs, on an H200 shared by
+    8 test processes; whether this timing was the cause is not established.)"""
+    import torch._inductor.config as inductor
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
+    if hasattr(inductor, "deterministic"):  # older PyTorch releases have no such mode
+        inductor.deterministic = True
 
 
 def backend_for(model, device):

@@ -1,6 +1,7 @@
 """bench.py runs on a CPU (tiny preset), so CI exercises the code that produces the GPU table; gpu-report's
 markdown is built here from a real pytest JUnit file and real bench rows (only the GPU itself is a double)."""
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -12,7 +13,7 @@ import torch
 
 import bench
 from conftest import ROOT
-from machinery.cli import run
+from machinery.cli import InputError, run
 
 pytest.importorskip("transformers")
 
@@ -118,6 +119,7 @@ BAD_FLAGS = [  # (arguments, what the one-line error must name)
     (["data", f"--corpus={ROOT / 'bench.py'}", f"--tokenizer={ROOT}"], "--tokenizer"),
     (["gpu-report", "--out=/nonexistent/dir/report.md"], "--out"),  # before the suite, even before CUDA
     (["gpu-report", f"--out={ROOT}"], "--out"),
+    (["gpu-report", "--workers=0"], "--workers"),
 ]
 if not torch.cuda.is_available():  # FlexAttention runs forward on a CPU, but has no backward there
     BAD_FLAGS.append((["train", "--device=cpu", "--backend=flex"], "--backend=flex"))
@@ -157,6 +159,37 @@ def test_gpu_report_without_cuda_is_one_error_line(tmp_path):
     assert result.stderr.startswith("error: gpu-report needs a CUDA device") and result.stderr.count("\n") == 1
     assert not (tmp_path / "r.md").exists()
 
+
+
+def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
+    """The suite runs in half the cores' test processes, at most 8, where pytest-xdist is installed, and the
+    report names the command it ran; without pytest-xdist it runs in one, and --workers=2 is one error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = f"--out={tmp_path / 'r.md'}"
+    for cores, want in ((1, 1), (2, 1), (16, 8), (64, 8)):
+        monkeypatch.setattr(bench, "usable_cores", lambda: cores)
+        args = bench.parser().parse_args(["gpu-report", out])
+        bench.resolve(args)
+        assert args.workers == want, cores
+    ran, resolve = [], bench.resolve
+    monkeypatch.setattr(bench.subprocess, "run", 
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 5))  # 5: no tests ran
+    monkeypatch.setattr(bench, "resolve", lambda train_args: setattr(train_args, "device", torch.device("cpu")))
+    monkeypatch.setattr(bench, "bench_train", lambda train_args, rows: None)
+    monkeypatch.setattr(bench, "environment", lambda device: [])
+    args.threads = 1
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench.gpu_report(args)
+    monkeypatch.setattr(bench, "resolve", resolve)
+    assert ran[0][1:6] == ["-m", "pytest", "-m", "gpu", "-rA"] and ran[0][6:8] == ["-n", "8"]
+    assert "## `python -m pytest -m gpu -rA -n 8`:" in (tmp_path / "r.md").read_text()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a))
+    args = bench.parser().parse_args(["gpu-report", out])
+    resolve(args)
+    assert args.workers == 1
+    with pytest.raises(InputError, match="^--workers=2: needs pytest-xdist"):
+        resolve(bench.parser().parse_args(["gpu-report", out, "--workers=2"]))
 
 
 def byte_tokenizer(tmp_path):

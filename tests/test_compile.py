@@ -174,6 +174,16 @@ def test_flash_asks_for_a_deterministic_backward(fake_flash):
     assert fake_flash.determinism and all(fake_flash.determinism)
 
 
+def test_compiled_kernels_are_chosen_without_timing_them(monkeypatch):
+    """--resume's bit-for-bit promise needs inductor's deterministic mode: by default it times a reduction's
+    settings at first launch and keeps the fastest, which changes the order of the sums from one process to the
+    next."""
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor, "deterministic", False)
+    kernels.compile_blocks(tiny_model())  # lazy: nothing compiles before the first call
+    assert inductor.deterministic is True
+
+
 def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):
     """torchrun on GPUs (faked): rank 1's GPU is set, then the NCCL group is made with device_id, which binds the
     rank to that GPU at once (without it NCCL guesses the device at the first collective, with a warning)."""

@@ -870,7 +870,7 @@ def test_lookahead_keeps_the_saved_position(byte_data):
 def test_lookahead_on_cuda(byte_data):
     """With a CUDA device the ids arrive there (copied from pinned memory), the labels stay on the host."""
     on_gpu, on_cpu = loader(byte_data, device="cuda"), loader(byte_data)
-    for _ in range(5):
+    for _ in range(6):  # three optimizer steps of 2 micro-batches: state_dict() is read at a step's boundary
         (x, y), (cx, cy) = on_gpu.next(), on_cpu.next()
         on_gpu.prefetch()
         assert x.device.type == "cuda" and y.device.type == "cpu"

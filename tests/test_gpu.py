@@ -351,8 +351,9 @@ def ddp_losses(device, group_backend, compiler, steps=3, accum=2):
     process, its blocks compiled by `compiler` (None: eager), `accum` micro-batches a step with the gradient
     all-reduce on the last only, as train.py runs it. The labels stay on the host, as train.py keeps them."""
     import torch.distributed as dist
+    # NCCL's device_id needs the GPU's index ("cuda" alone is refused); train.py's pick_device always gives one
     dist.init_process_group(group_backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=torch.device("cuda", device.index or 0) if device.type == "cuda" else None)
     try:
         torch._dynamo.reset()
         model = tiny_model().to(device).train()
