@@ -150,11 +150,11 @@ def compiled(fn, dynamic):
     Compiled FlexAttention is the point of it (eager FlexAttention materialises the whole score matrix).
     Room for its graphs: in each mode (training, MLM and CLM validation) a global and a local mask, each at up
     to two batch sizes (a short last validation batch), static shapes: 3 x 2 x 2."""
-    allow_graphs(3 * 2 * 2)
+    configure_compiler(3 * 2 * 2)
     return torch.compile(fn, dynamic=dynamic)
 
 
-def allow_graphs(n):
+def configure_compiler(n):
     """Let dynamo keep n compiled graphs per function. Past its recompile_limit (8 by default) it warns and runs
     the function eager from then on: on a GPU, that is every step at a fraction of the speed.
     And let inductor choose its kernels' settings without timing them. By default it times a reduction's block
@@ -195,7 +195,7 @@ def compile_blocks(model, backend="inductor"):
     # other masks), each compiled for its first shapes and once more with the sizes that then changed made dynamic
     # (the unpadded token count, a short last validation batch).
     kinds = len({(type(b.attn_norm), b.local) for b in model.model.layers})
-    allow_graphs(kinds * 3 * 2)
+    configure_compiler(kinds * 3 * 2)
     for block in model.model.layers:
         block.compile(backend=backend)
     model.compiled_with = backend
