@@ -66,7 +66,8 @@ HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no mod
 # detour's arms are half as long as with one (500k tokens; 1M moved every layer outside the band before) and the
 # biphasic budget B is 80 steps (200 with one replicate), one seed at two learning rates. The fine-tuning below
 # dominates: the detour at cpu scale is an estimated 3 h 5 min of 2 idle cores (15 models x 2 seeds; measured
-# under load: 4 h 15 min wall, 28,553 s summed), the biphasic study about 2 h (30 models x 1 seed, an estimate).
+# under load: 4 h 15 min wall, 28,553 s summed), the biphasic study 2 h 25 min measured (30 fine-tunings of
+# 5-7 min; 8,692 s wall, 17,229 s summed, nearly idle).
 
 # cpu: every test example; 300 optimizer steps per task and seed, at most 3 epochs (ncbi_disease and chemprot
 # read about 1 epoch, pubmedqa's 300 train examples 3: 57 steps); dev scored twice on at most 1,000 examples;
