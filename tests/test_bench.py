@@ -172,7 +172,7 @@ def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
         bench.resolve(args)
         assert args.workers == want, cores
     ran, resolve = [], bench.resolve
-    monkeypatch.setattr(bench.subprocess, "run", 
+    monkeypatch.setattr(bench.subprocess, "run",
                         lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 5))  # 5: no tests ran
     monkeypatch.setattr(bench, "resolve", lambda train_args: setattr(train_args, "device", torch.device("cpu")))
     monkeypatch.setattr(bench, "bench_train", lambda train_args, rows: None)
