@@ -160,8 +160,8 @@ def configure_compiler(n):
     And let inductor choose its kernels' settings without timing them. By default it times a reduction's block
     sizes and warps at first launch and keeps the fastest: a choice that changes the order of the sums and can
     differ between two processes, so a resumed run could round differently from the uninterrupted one, and
-    --resume promises the same bits. (The kill-and-resume test failed once, of two runs, on an H200 shared by
-    8 test processes; whether this timing was the cause is not established.)"""
+    --resume promises the same bits. (The kill-and-resume test failed once in three runs on an H200 shared by
+    several test processes; whether this timing was the cause is not established.)"""
     import torch._inductor.config as inductor
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
     if hasattr(inductor, "deterministic"):  # older PyTorch releases have no such mode
