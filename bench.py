@@ -4,6 +4,7 @@ Benchmarks (not tests): numbers to quote, medians of a few repeats, each against
     python bench.py train [--presets=base] [--phases=clm,mlm] [--seq_lens=1024,8192] [--micro_tokens=32768]
     python bench.py data [--corpus=PATH] [--tokenizer=PATH] [--workers=1,2] [--repeats=3]
     python bench.py gpu-report [--out=gpu-report.md] [--workers=8]
+    python bench.py loss [--rows=2458] [--vocab=50368] [--hidden=768]
 
 train: full training steps (forward, backward, optimizer) of our model and of transformers'
 ModernBertForMaskedLM with its fastest available attention and the same optimizer, on the same weights and
@@ -20,6 +21,13 @@ data: `prepare` end to end per worker count (1, 2, 4, ... up to the cores) again
 many threads, an Amdahl fit of the curve (the serial share) and its projection to 32 and 64 cores, labelled as
 such; whether the two tokenizers' ids agree; the loader's MLM and CLM batches of 8,192-token sequences on one core
 against transformers' DataCollatorForLanguageModeling. Ours and the peer's runs interleave (ours, peer, ours, ...).
+
+loss: what train.py's --loss=fused saves: model.py's cross_entropy (the plain loss, every (rows, vocab) logit at
+once) against the same loss in row chunks (machinery/kernels.py), one forward and backward of the decoder and the
+loss on the same head outputs: the median time and the most memory a pass takes above its inputs (CUDA's allocator
+peak; on a CPU the peak resident memory of a fresh process per measurement). Its defaults: base's decoder (vocab
+50,368, 768 wide) on one 8,192-token sequence at 30% masked (2,458 rows) on a CPU, the paper's micro-batch (4 x
+8,192 tokens, 9,830 rows) on a GPU.
 
 gpu-report: the GPU acceptance in one command: `python -m pytest -m gpu` in test processes that share the GPU,
 each test's result read from its JUnit XML, then `train` with its GPU defaults, alone on the GPU; one markdown
@@ -352,7 +360,7 @@ def measure(args, preset, phase, seq_len, micro):
         model = make().to(device)
         return model, AdamW(ModernBERT.param_groups(model), 2e-4), allocated(device) - before
 
-    ours, ours_opt, ours_resident = on_device(lambda: ModernBERT(cfg, args.backend))
+    ours, ours_opt, ours_resident = on_device(lambda: ModernBERT(cfg, args.backend, args.loss))
     attn = args.peer_attention
     if attn == "auto":  # its fastest: flash-attn where installed (it has no causal mode), else SDPA
         flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
@@ -497,6 +505,80 @@ def format_row(r):
     ours, peer = ("{:>11} {:>6} {:>6}".format(*cells(r[k])) for k in ("ours", "peer"))
     return (f"{r['preset']:6} {r['phase']:5} {r['seq_len']:>5} {r['micro']:>5} {r['backend']:>5} | {ours} | "
             f"{peer} {r['peer_attention']:>17} | {ratio(r):>6} | {loss(r['loss_ours']):>9} {loss(r['loss_peer']):>9}")
+
+
+# ----------------------------------------------------------------------------
+# The loss: plain (model.py's cross_entropy) against fused (the same in row chunks)
+
+
+def loss_pass(loss, rows, hidden, vocab, device, repeats, threads):
+    """(median seconds, peak bytes above the inputs) of `repeats` forward and backward passes of one of model.py's
+    LOSSES on random (rows, hidden) head outputs and a (vocab, hidden) decoder, after one untimed pass. On a CPU it
+    runs in a process of its own (loss_bench starts it): the peak resident memory is the process's, and a pass on 8
+    rows first loads and initialises the code the passes run (that too is resident memory, once)."""
+    import resource
+
+    import torch
+
+    from machinery.kernels import linear_cross_entropy
+    from model import cross_entropy
+    torch.set_num_threads(threads)
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, hidden, generator=g).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(vocab, hidden, generator=g)).to(device).requires_grad_()
+    bias = torch.zeros(vocab, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    compute = linear_cross_entropy if loss == "fused" else cross_entropy
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * page  # noqa: E731
+    with autocast(device):
+        compute(h[:8], weight, bias, targets[:8]).backward()
+    h.grad = weight.grad = bias.grad = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    before = allocated(device) if cuda else resident()
+    times = []
+    for i in range(1 + repeats):
+        t0 = time.perf_counter()
+        with autocast(device):
+            value = compute(h, weight, bias, targets)
+        value.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        h.grad = weight.grad = bias.grad = None
+    # ru_maxrss: the process's peak resident size, in KiB on Linux
+    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    return statistics.median(times), peak - before
+
+
+def loss_bench(args):
+    """Both losses at each --rows, alternating, each CPU measurement in a fresh process."""
+    import multiprocessing
+    from unittest import mock
+
+    from model import LOSSES
+    print(f"decoder {args.vocab:,} x {args.hidden} on {args.device}, {args.threads} thread(s), median of "
+          f"{args.repeats} forward + backward passes after one untimed; memory: the most a pass takes above its inputs "
+          f"({'the allocator' if args.device.type == 'cuda' else 'peak resident, a fresh process per measurement'})")
+    print(f"{'loss':6} {'rows':>7} | {'ms':>9} | {'MiB':>9}")
+    rows = []
+    for n in args.rows:
+        for loss in LOSSES:
+            work = (loss, n, args.hidden, args.vocab, args.device, args.repeats, args.threads)
+            if args.device.type == "cuda":
+                seconds, peak = loss_pass(*work)
+            else:  # glibc maps blocks over 1 MiB and gives them back when freed: the peak is what a pass holds
+                with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20)), \
+                        multiprocessing.get_context("spawn").Pool(1) as pool:  # the variable is read at its start
+                    seconds, peak = pool.apply(loss_pass, work)
+            rows.append(dict(loss=loss, rows=n, vocab=args.vocab, hidden=args.hidden, ms=seconds * 1e3,
+                             mib=peak / 2**20))
+            print(f"{loss:6} {n:>7,} | {seconds * 1e3:>9.1f} | {peak / 2**20:>9.1f}", flush=True)
+    return rows
 
 
 # ----------------------------------------------------------------------------
@@ -646,13 +728,14 @@ def flag_bool(text):
 
 
 def parser():
-    from model import BACKENDS, PRESETS
+    from model import BACKENDS, LOSSES, PRESETS
     p = Parser(prog="bench.py", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = {"train": "training steps of our model against transformers' ModernBertForMaskedLM",
                 "data": "prepare throughput per worker count, and the loader's, against Hugging Face",
-                "gpu-report": "the gpu test suite and the train bench, written to one markdown file"}
-    t, d, g = (sub.add_parser(name, help=text, description=text) for name, text in commands.items())
+                "gpu-report": "the gpu test suite and the train bench, written to one markdown file",
+                "loss": "model.py's cross_entropy against the same loss in row chunks (--loss=fused): time, memory"}
+    t, d, g, lo = (sub.add_parser(name, help=text, description=text) for name, text in commands.items())
     t.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when there is one")
     t.add_argument("--presets", type=names(PRESETS), help="model sizes; None: base on a GPU, tiny,base on a CPU")
     t.add_argument("--phases", type=names(("clm", "mlm")), default="clm,mlm", help="objectives to time")
@@ -666,6 +749,8 @@ def parser():
                    help="torch.compile our blocks, as train.py does, and the peer's; None: on CUDA, not on a CPU (where it measured "
                         "1.01-1.05x for 11 s or more of compilation)")
     t.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="our attention backend")
+    t.add_argument("--loss", default="fused", choices=LOSSES,
+                   help="our loss (train.py's --loss); fused: as docs/gpu.md's tables were measured")
     t.add_argument("--peer_attention", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"],
                    help="transformers' attn_implementation (auto: flash_attention_2 where installed, else sdpa)")
     t.add_argument("--json", help="also write the rows to this file")
@@ -681,7 +766,12 @@ def parser():
                    help="test processes sharing the GPU (pytest-xdist's -n); None: half the cores, at most 8, where "
                         "pytest-xdist is installed (8 on a 16-core H200: the suite in 3 min, against some 16 min of "
                         "tests one after another)")
-    for command in (t, d, g):
+    lo.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when there is one")
+    lo.add_argument("--rows", type=counts(), help="labelled positions, a sweep; None: 2458 on a CPU, 9830 on a GPU")
+    lo.add_argument("--vocab", type=positive_int, default=50368, help="the decoder's rows (ModernBERT's vocabulary)")
+    lo.add_argument("--hidden", type=positive_int, default=768, help="the head's width (base)")
+    lo.add_argument("--repeats", type=positive_int, default=3, help="timed passes of each; the median counts")
+    for command in (t, d, g, lo):
         command.add_argument("--threads", type=positive_int,
                              help="intra-op CPU threads; None: $OMP_NUM_THREADS, else the idle cores")
     return p
@@ -717,6 +807,9 @@ def resolve(args):
                              f"({(str(e).splitlines() or [''])[0][:200]})") from None
         return
     args.device = pick_device(args.device, flag="--device")
+    if args.command == "loss":
+        args.rows = args.rows or [9830 if args.device.type == "cuda" else 2458]
+        return
     from machinery.kernels import pick_backend
     try:
         with autocast(args.device):  # the steps' dtype: flash-attn refuses float32
@@ -742,7 +835,7 @@ def main(argv=None):
     resolve(args)
     if args.command == "gpu-report":
         return gpu_report(args)  # its exit status: 1 if a test or the bench failed
-    (bench_train if args.command == "train" else bench_data)(args)
+    dict(train=bench_train, data=bench_data, loss=loss_bench)[args.command](args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ names are Hugging Face's, so a checkpoint is a plain state dict that transformer
 The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
 changes only which keys each query may see (`mask_rule`). Behind the model, in machinery/ (a reader
 may skip them): kernels.py, the attention backends (the same attention, computed faster), compiling
-the blocks and the fused decoder + loss; hf.py, config.json and model.safetensors read and checked.
+the blocks and the fused decoder + loss (an opt-in: the loss that trains is `cross_entropy`, as written here);
+hf.py, config.json and model.safetensors read and checked.
 """
 import dataclasses
 import math
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from machinery.cli import InputError
 from machinery.hf import check_config, read_config, read_weights, replace_config, resolve_checkpoint, write_checkpoint
 # BACKENDS: the one table of attention backends (train.py and bench.py take it from here)
-from machinery.kernels import BACKENDS, IGNORE_INDEX, backend_for, labelled, linear_cross_entropy  # noqa: F401
+from machinery.kernels import (BACKENDS, IGNORE_INDEX, backend_for, check_fused, labelled,  # noqa: F401
+                               linear_cross_entropy)
 
 # -----------------------------------------------------------------------------
 # Configuration. Field names follow Hugging Face's config.json; machinery/hf.py checks every value.
@@ -156,10 +158,16 @@ def reference_attention(q, k, v, keep):
 def cross_entropy(h, weight, bias, targets):
     """The loss, written out: the tied decoder's logits (M, vocab) of the M labelled positions' head outputs h
     (M, d), their mean cross-entropy against the targets (M,): the masked tokens (MLM) or the next ones (CLM).
-    kernels.linear_cross_entropy computes the same in row chunks, never all (M, vocab) logits at once in fp32."""
+    This is the loss that trains (an edit here changes training). kernels.linear_cross_entropy computes the same
+    in row chunks, never all (M, vocab) logits at once in fp32: less memory, for this loss only (LOSSES)."""
     logits = F.linear(h, weight, bias)  # (M, vocab)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax in fp32 under bf16 autocast
     return F.cross_entropy(logits, targets) if len(targets) else logits.sum()  # no labelled position: 0
+
+
+# How a forward with labels computes its loss: "plain" runs cross_entropy above; "fused" runs the same numbers in
+# chunks (machinery/kernels.py), and a run that asks for it checks first that cross_entropy still gives them.
+LOSSES = ("plain", "fused")
 
 
 # -----------------------------------------------------------------------------
@@ -225,10 +233,12 @@ class Block(nn.Module):
 class ModernBERT(nn.Module):
     config_class = ModernBERTConfig  # what reads a checkpoint's config.json (as transformers names it)
 
-    def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "fused"):
+    def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
         self.config, self.backend = config, backend  # backend: a name in BACKENDS, or "auto"
-        self.loss = loss  # "plain": cross_entropy below; "fused": the same in chunks (machinery/kernels.py)
+        self.loss = loss  # a name in LOSSES: "plain" runs cross_entropy above
+        if loss == "fused":  # refused if cross_entropy above was edited: the kernel would not train the edit
+            check_fused(cross_entropy)
         self.compiled_with = None  # torch.compile's backend once compile_blocks has run
         c = config
         self.model = nn.ModuleDict(dict(
@@ -291,14 +301,14 @@ class ModernBERT(nn.Module):
     def forward(self, input_ids, attention_mask=None, labels=None, causal=False, doc_ids=None):
         """Returns (logits, loss). Without labels: logits (B, T, vocab) and loss None. With labels:
         sparse prediction, as ModernBERT trains: the head runs only on positions whose label is not
-        -100, and the loss is cross_entropy's over them (fused in chunks unless loss="plain"); logits is
+        -100, and the loss is cross_entropy's over them (computed in chunks with loss="fused"); logits is
         None. Labels may stay on the host while the model is on a GPU: no device sync finds them."""
         h = self.encode(input_ids, attention_mask, causal, doc_ids)  # (B, T, d)
         if labels is None:
             return self.predict(h), None
         keep, targets = labelled(labels, h.device)  # (M,) each: the positions with a label, and their labels
         h = self.head_hidden(h.flatten(0, 1)[keep])  # (M, d)
-        loss = cross_entropy if self.loss == "plain" else linear_cross_entropy
+        loss = linear_cross_entropy if self.loss == "fused" else cross_entropy
         return None, loss(h, self.decoder.weight, self.decoder.bias, targets)
 
     # --- optimizer groups and FLOPs ---

@@ -28,7 +28,7 @@ import freeze
 from machinery import cli, datacli, flags, kernels, progress, rundir, tracking
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, check_savable, code_version, rng_state, set_rng_state
-from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig
+from model import BACKENDS, IGNORE_INDEX, LOSSES, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
 # Configuration: the paper's recipe as typed defaults. `--help` prints these comments.
@@ -91,6 +91,7 @@ class Config:
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); a CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
     backend: str = "auto"  # attention: auto, or a row of BACKENDS
+    loss: str = "plain"  # plain: model.py's cross_entropy as written | fused: the same in row chunks (less memory)
     ddp_timeout: int = 900  # seconds a process waits for the others before the job stops
 
 
@@ -208,7 +209,8 @@ def wsd(t, total, cfg):  # warmup-stable-decay: the peak, then 1-sqrt over the l
 
 SCHEDULES = {"constant": constant, "1-sqrt": one_minus_sqrt, "wsd": wsd}
 # The values these flags accept: the names the tables define, never typed twice.
-CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES, backend=("auto", *BACKENDS))
+CHOICES = dict(phase=PHASES, schedule=SCHEDULES, objective=data.OBJECTIVES, backend=("auto", *BACKENDS),
+               loss=LOSSES)
 FIELDS = flags.checkpoint_fields(Config)  # the settings a checkpoint's config holds
 
 
@@ -337,7 +339,7 @@ def build_model(cfg, how, state, meta, device):
         config = ModernBERTConfig.read(os.path.join(source, "config.json"))
     flags.check_data_fits_model(meta, config, cfg)
     torch.manual_seed(cfg.seed)  # the same init on every rank
-    model = ModernBERT(config.replace(attention_dropout=cfg.dropout), cfg.backend)
+    model = ModernBERT(config.replace(attention_dropout=cfg.dropout), cfg.backend, cfg.loss)
     if source is not None:
         model.load_weights(os.path.join(source, "model.safetensors"))
     return model.to(device), source

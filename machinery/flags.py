@@ -250,6 +250,8 @@ def out_of_memory(e, r):
         (" or --preset" if r.how == "fresh" else "")
     change = f"lower {lower}" if r.how != "resume" else \
         f"a resumed run keeps its settings: resume where more memory is, or start again with a lower {lower}"
+    if cfg.loss == "plain" and r.how != "resume":  # the (rows, vocab) logits in fp32 are often the largest tensor
+        change += ", or pass --loss=fused (the loss in row chunks, never all the logits at once)"
     return InputError(f"{f'rank {r.rank}: ' if r.world > 1 else ''}out of memory on {r.device} in step "
                       f"{r.phase_step + 1}{f' (asked for {asked} more)' if asked else ''}: micro-batches of "
                       f"{cfg.batch_size // r.accum // r.world} x {cfg.seq_len} tokens through "

@@ -309,6 +309,25 @@ def linear_cross_entropy(h, weight, bias, labels, chunk=None):
     return _LinearCrossEntropy.apply(h, weight, bias, labels, chunk or (4096 if h.is_cuda else 1024), with_grad)
 
 
+def check_fused(plain):
+    """An InputError unless linear_cross_entropy computes what `plain` (model.py's cross_entropy, as it is now)
+    does: loss and gradients on a small random batch in float64. An edited loss (label smoothing, a z-loss) is
+    not what this kernel computes, and running the kernel in its place would train something else, silently."""
+    g = torch.Generator().manual_seed(0)
+    h, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                       for shape in ((24, 8), (50, 8), (50,)))
+    targets = torch.randint(0, 50, (24,), generator=g)
+    got = []
+    for loss in (plain, linear_cross_entropy):
+        value = loss(h, weight, bias, targets)
+        got.append([value.detach(), *torch.autograd.grad(value, (h, weight, bias))])
+    gap = max((a - b).abs().max().item() for a, b in zip(*got))
+    if gap > 1e-9:
+        raise InputError(f"loss=fused computes model.py's cross_entropy as first written, and the cross_entropy there "
+                         f"now computes something else (loss or gradients {gap:.2g} apart on a test batch): train "
+                         f"with the loss on the page (train.py --loss=plain, the default)")
+
+
 def _chunk_loss_and_grad(logits, target, with_grad):
     """A chunk's per-row loss and d loss / d logits = softmax - onehot (unscaled), in the logits' dtype.
     The math is fp32 (at least) and in place: fp32 logits are overwritten by the softmax. On CUDA it is

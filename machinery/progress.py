@@ -38,6 +38,11 @@ CARRIED = dict(weights="weights", moments="Adam's moments", adam_t="Adam's t", d
                rng="RNG streams", history="the runs before it", phase="the phase's step and tokens")
 
 
+# What each of model.py's LOSSES is called in a run's first lines.
+LOSS_WORDS = {"plain": "model.py's cross_entropy (--loss=fused computes it in row chunks: less memory)",
+              "fused": "fused (model.py's cross_entropy in row chunks, machinery/kernels.py)"}
+
+
 @dataclass
 class Run:
     """Everything train.py's loop reads and changes, built once by its setup()."""
@@ -121,7 +126,8 @@ def plan(r, total_steps):
     with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
         backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
-    print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}")
+    print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}, loss: "
+          f"{LOSS_WORDS[r.model.loss]}")
     objective = (f"{cfg.objective.upper()}" + (f" at {cfg.mask_rate:.0%}" if r.objective.masked else "") +
                  (", causal mask" if r.objective.causal else ", bidirectional"))
     print(f"recipe {cfg.recipe}, phase {cfg.phase}: {objective}; schedule {cfg.schedule} over "

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from machinery import kernels
 from machinery.cli import InputError
 from machinery.kernels import SDPA, linear_cross_entropy
-from model import IGNORE_INDEX, ModernBERT, ModernBERTConfig, mask_rule
+from model import IGNORE_INDEX, LOSSES, ModernBERT, ModernBERTConfig, mask_rule
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,7 +102,7 @@ def test_loss_matches_transformers_with_sparse_prediction(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
         logits, got = ours(ids, mask, labels=labels)
-    assert logits is None  # never materialised with labels: the decoder is fused into the loss
+    assert logits is None  # with labels the decoder runs on the labelled positions only, inside the loss
     assert abs(got.item() - want.item()) <= 1e-5
 
 
@@ -372,12 +372,14 @@ def test_linear_cross_entropy_matches_pytorch():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_fused_loss_equals_the_plain_one_on_the_page(causal):
-    """model.py's cross_entropy (the loss a reader sees) and the fused kernel the model trains with: the same loss
-    and the same gradient on every parameter, MLM and CLM, in float64; no labelled position gives 0 for both."""
+    """model.py's cross_entropy (the loss a reader sees, and the default) and the fused kernel --loss=fused picks:
+    the same loss and the same gradient on every parameter, MLM and CLM, in float64; no labelled position gives 0
+    for both."""
     torch.manual_seed(0)
     plain = tiny_model(seed=3).double()
     fused = tiny_model(seed=3).double()
-    plain.loss = "plain"
+    assert plain.loss == "plain"
+    fused.loss = "fused"
     ids = torch.randint(0, 256, (2, 40))
     labels = torch.where(torch.rand(2, 40) < 0.3, ids, IGNORE_INDEX) if not causal else ids.roll(-1, 1)
     losses = []
@@ -392,11 +394,29 @@ def test_the_fused_loss_equals_the_plain_one_on_the_page(causal):
     assert plain(ids, labels=none)[1].item() == fused(ids, labels=none)[1].item() == 0.0
 
 
-def test_training_gradients_match_transformers(tmp_path):
-    """Sparse prediction and the fused loss give the gradients of the dense HF loss."""
+def test_a_fused_loss_is_refused_once_the_loss_on_the_page_is_edited(monkeypatch):
+    """The fused kernel computes model.py's cross_entropy as written: asked for while that function computes
+    something else (label smoothing), the model refuses it, rather than train what the page no longer says."""
+    import model
+    config = tiny_model().config
+    assert ModernBERT(config, loss="fused").loss == "fused"  # the page's own loss: the kernel computes it
+    plain = model.cross_entropy
+    monkeypatch.setattr(model, "cross_entropy", lambda h, w, b, y: plain(h, w, b, y) + 0.0 * h.sum())
+    ModernBERT(config, loss="fused")  # the same numbers however written
+    smoothed = lambda h, w, b, y: F.cross_entropy(F.linear(h, w, b).float(), y, label_smoothing=0.1)  # noqa: E731
+    monkeypatch.setattr(model, "cross_entropy", smoothed)
+    with pytest.raises(InputError, match=r"^loss=fused computes model.py's cross_entropy as first written.*"
+                                         r"--loss=plain"):
+        ModernBERT(config, loss="fused")
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_training_gradients_match_transformers(tmp_path, loss):
+    """Sparse prediction with either loss gives the gradients of the dense HF loss."""
     hf = hf_checkpoint(tmp_path, SHAPES[0])
     hf.train()
     ours = ModernBERT.from_pretrained(str(tmp_path)).train()
+    ours.loss = loss
     ids, mask = padded_batch(300)
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) > 0.3] = IGNORE_INDEX

@@ -257,6 +257,30 @@ def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path,
     assert "warning: the code changed since" in capsys.readouterr().err
 
 
+def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypatch, capsys):
+    """model.py's cross_entropy trains by default and the start line says so: label smoothing added to it changes
+    the run's losses and weights. --loss=fused, named on the start line, trains the same run to rounding, and is
+    refused while the loss on the page computes something else."""
+    import model
+    flags = [f"--tokens={2 * STEP_TOKENS}"]
+    plain, _ = run(corpus, tmp_path / "plain", *flags)
+    assert "loss: model.py's cross_entropy" in capsys.readouterr().out
+    fused, _ = run(corpus, tmp_path / "fused", *flags, "--loss=fused")
+    assert "loss: fused (model.py's cross_entropy in row chunks" in capsys.readouterr().out
+    assert all(torch.allclose(plain[k], fused[k], atol=1e-5) for k in plain)
+    page = model.cross_entropy
+    monkeypatch.setattr(model, "cross_entropy", lambda h, w, b, y: F.cross_entropy(  # an ablation: label smoothing
+        F.linear(h, w, b), y, label_smoothing=0.1) if len(y) else page(h, w, b, y))
+    smoothed, _ = run(corpus, tmp_path / "smoothed", *flags)
+    assert lrs(tmp_path / "smoothed") == lrs(tmp_path / "plain")
+    losses = [[r["loss"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "loss" in r]
+              for name in ("plain", "smoothed")]
+    assert all(a < b for a, b in zip(*losses)), losses  # smoothing adds to the loss of every step
+    assert not torch.equal(plain["model.layers.0.attn.Wqkv.weight"], smoothed["model.layers.0.attn.Wqkv.weight"])
+    with pytest.raises(InputError, match="loss=fused computes model.py's cross_entropy as first written"):
+        run(corpus, tmp_path / "refused", *flags, "--loss=fused")
+
+
 def test_what_an_objective_is_comes_from_its_table_entry(monkeypatch):
     """A new objective is one function and one entry in data.OBJECTIVES: the checks, the FLOP count's share of
     predicted positions and the start line read its entry (causal, masked), never its name."""
