@@ -193,18 +193,20 @@ class AdamW:
 
 
 
-# The shape of each schedule after the warmup, at t of `total` tokens: a multiplier of the peak.
-def constant(t, total, cfg):
+# The shape of each schedule after the warmup: a multiplier of the peak for the step that starts t tokens into a
+# schedule whose last step starts at token `end`. A shape reaches its final value at t = end: that step is run.
+def constant(t, end, cfg):
     return 1.0
 
 
-def one_minus_sqrt(t, total, cfg):  # from the peak down to final_lr_frac of it
-    return cfg.final_lr_frac + (1 - cfg.final_lr_frac) * (1 - math.sqrt(min(1.0, t / total)))
+def one_minus_sqrt(t, end, cfg):  # from the peak at the first step down to final_lr_frac of it at the last
+    return cfg.final_lr_frac + (1 - cfg.final_lr_frac) * (1 - math.sqrt(min(1.0, t / end) if end > 0 else 1.0))
 
 
-def wsd(t, total, cfg):  # warmup-stable-decay: the peak, then 1-sqrt over the last decay tokens
-    decay = cfg.decay_tokens or round(cfg.decay_frac * total)
-    return one_minus_sqrt(t - (total - decay), decay, cfg) if t > total - decay else 1.0
+def wsd(t, end, cfg):  # warmup-stable-decay: the peak, then 1-sqrt over the steps of the budget's last decay tokens
+    budget = cfg.schedule_tokens or cfg.tokens
+    start = min(end, budget - (cfg.decay_tokens or round(cfg.decay_frac * budget)))  # the decay's first step
+    return one_minus_sqrt(t - start, end - start, cfg) if t >= start else 1.0
 
 
 SCHEDULES = {"constant": constant, "1-sqrt": one_minus_sqrt, "wsd": wsd}
@@ -215,9 +217,12 @@ FIELDS = flags.checkpoint_fields(Config)  # the settings a checkpoint's config h
 
 
 def learning_rate(cfg, t):
-    """The learning rate before a step, t tokens into the schedule (which may span phases)."""
+    """The learning rate of the step that starts t tokens into the schedule (which may span phases): the warmup
+    from 0 at t = 0, times the shape, whose last value is the last step's (a decay ends at its floor)."""
+    step = cfg.batch_size * cfg.seq_len
+    end = max(0, ((cfg.schedule_tokens or cfg.tokens) // step - 1) * step)  # where the schedule's last step starts
     warmup = min(1.0, t / cfg.warmup_tokens) if cfg.warmup_tokens else 1.0
-    return cfg.lr * warmup * SCHEDULES[cfg.schedule](t, cfg.schedule_tokens or cfg.tokens, cfg)
+    return cfg.lr * warmup * SCHEDULES[cfg.schedule](t, end, cfg)
 
 
 def token_sum(loss, labels):

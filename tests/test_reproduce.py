@@ -517,8 +517,8 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
 
 def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
     """report.png's learning rate: a step's rate held over the tokens it trained, from the run's first token, so
-    that a one-step decay (a smoke scale's) is one flat step at the rate 1-sqrt gives its first step, the peak, and
-    reads as one step, not as a decay."""
+    that a one-step decay (a smoke scale's) is one flat step at the rate it ran at, and reads as one step, not as a
+    decay."""
     pytest.importorskip("matplotlib")
     from machinery import report
     from machinery.curves import new_figure

@@ -136,11 +136,27 @@ def test_schedules_at_their_key_points():
     assert train.learning_rate(phase1, 25_000_000) == pytest.approx(peak / 4)
     assert train.learning_rate(phase1, 100_000_000) == pytest.approx(peak)  # end of warmup
     assert train.learning_rate(phase1, 5 * 10**9) == peak  # constant
-    decay = train.Config(lr=peak, schedule="1-sqrt", warmup_tokens=0, tokens=10**9, final_lr_frac=0.1)
+    # 1-sqrt over 101 steps of 10M tokens: the shape runs from the first step (t = 0) to the last (t = 1B)
+    decay = train.Config(lr=peak, schedule="1-sqrt", warmup_tokens=0, tokens=1_010_000_000, batch_size=1,
+                         seq_len=10_000_000, final_lr_frac=0.1)
     assert train.learning_rate(decay, 0) == peak  # no warmup: starts at the peak
-    assert train.learning_rate(decay, 10**9) == pytest.approx(0.1 * peak)  # ends at 10% of the peak
+    assert train.learning_rate(decay, 10**9) == pytest.approx(0.1 * peak)  # its last step: 10% of the peak
     assert train.learning_rate(decay, 250_000_000) == pytest.approx(peak * (0.1 + 0.9 * 0.5))  # 1 - sqrt(1/4)
     assert train.learning_rate(decay, 640_000_000) == pytest.approx(peak * (0.1 + 0.9 * 0.2))  # 1 - sqrt(0.64)
+
+
+@pytest.mark.parametrize("schedule", ["1-sqrt", "wsd", "cosine"])
+@pytest.mark.parametrize("steps", [1, 7, 12])
+def test_the_last_step_of_a_decay_runs_at_its_floor(schedule, steps, monkeypatch):
+    """Whatever the length, a decay's last step takes final_lr_frac of the peak and its rates fall to it (never
+    below): 1-sqrt, wsd, and a shape added to SCHEDULES as an ablation (a cosine written as one_minus_sqrt is)."""
+    monkeypatch.setitem(train.SCHEDULES, "cosine", lambda t, end, cfg: cfg.final_lr_frac + (1 - cfg.final_lr_frac) * (
+        1 + math.cos(math.pi * (min(1.0, t / end) if end > 0 else 1.0))) / 2)
+    cfg = train.Config(lr=1e-3, schedule=schedule, warmup_tokens=0, tokens=steps * STEP_TOKENS, seq_len=128,
+                       batch_size=4, final_lr_frac=0.2, decay_frac=0.5)
+    rates = [train.learning_rate(cfg, k * STEP_TOKENS) for k in range(steps)]
+    assert rates[-1] == pytest.approx(0.2e-3) and min(rates) == rates[-1]
+    assert rates == sorted(rates, reverse=True) and (steps == 1 or rates[0] == 1e-3)
 
 
 def test_phase_defaults_and_flag_parsing():
@@ -331,14 +347,16 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     for name, p in model.named_parameters():
         opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
                         "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
+    for group in opt.param_groups:  # the decay's one step is its last: final_lr_frac (0.1) of the peak
+        group["lr"] = 0.1 * peak
     fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()  # the decay schedule starts at the peak
+    opt.step()
     for name, p in model.named_parameters():
         assert torch.allclose(p, decay[name] if name != "decoder.weight" else decay["model.embeddings.tok_embeddings.weight"],
                               rtol=1e-5, atol=1e-7), name
     # A fresh optimizer (zero moments, t = 1) would have moved the weights differently.
     moved = decay["model.layers.0.attn.Wqkv.weight"] - fresh["model.layers.0.attn.Wqkv.weight"]
-    assert not torch.allclose(moved.abs(), torch.full_like(moved, peak), rtol=1e-3)
+    assert not torch.allclose(moved.abs(), torch.full_like(moved, 0.1 * peak), rtol=1e-3)
 
 
 def test_each_way_a_run_starts_carries_over_what_its_row_of_starts_says(corpus, tmp_path, capsys):
@@ -584,15 +602,18 @@ def test_interrupted_demo_resumes_to_the_uninterrupted_result(demo_corpus, tmp_p
 
 
 def test_wsd_schedule_at_its_key_points():
+    """20 steps of 50 tokens; the decay's 4 steps (the last 20%) run 1-sqrt from the peak at the first of them
+    to final_lr_frac at the last."""
     peak = 1e-3
-    wsd = train.Config(lr=peak, schedule="wsd", warmup_tokens=100, tokens=1000, decay_frac=0.2, final_lr_frac=0.1)
+    wsd = train.Config(lr=peak, schedule="wsd", warmup_tokens=100, tokens=1000, batch_size=1, seq_len=50,
+                       decay_frac=0.2, final_lr_frac=0.1)
     assert train.learning_rate(wsd, 0) == 0.0 and train.learning_rate(wsd, 50) == pytest.approx(peak / 2)
     assert train.learning_rate(wsd, 100) == peak and train.learning_rate(wsd, 800) == peak  # stable until 80%
-    assert train.learning_rate(wsd, 900) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(0.5))))
-    assert train.learning_rate(wsd, 1000) == pytest.approx(0.1 * peak)  # the decay ends at final_lr_frac
-    fixed = train.Config(**{**wsd.__dict__, "decay_tokens": 100})  # a token count overrides the fraction
-    assert train.learning_rate(fixed, 900) == peak
-    assert train.learning_rate(fixed, 950) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(0.5))))
+    assert train.learning_rate(wsd, 850) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(1 / 3))))
+    assert train.learning_rate(wsd, 950) == pytest.approx(0.1 * peak)  # the last step: final_lr_frac
+    fixed = train.Config(**{**wsd.__dict__, "decay_tokens": 150})  # a token count overrides the fraction
+    assert train.learning_rate(fixed, 850) == peak
+    assert train.learning_rate(fixed, 900) == pytest.approx(peak * (0.1 + 0.9 * (1 - math.sqrt(0.5))))
     # one schedule over two phases: each part reads the whole budget's curve at its own offset
     part = train.Config(**{**wsd.__dict__, "tokens": 250, "schedule_tokens": 1000})
     assert [train.learning_rate(part, t) for t in range(0, 1001, 50)] == \
@@ -651,7 +672,8 @@ def test_phase_switch_inside_one_budget_continues_the_schedule_and_resumes_exact
     straight = biphasic(corpus, tmp_path / "straight")
     lrs = [r["lr"] for name in ("clm", "mlm") for r in map(json.loads, open(tmp_path / "straight" / name / "log.jsonl"))
            if "loss" in r]
-    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5)
+    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5,
+                         seq_len=128, batch_size=4)
     assert lrs == [train.learning_rate(whole, k * STEP_TOKENS) for k in range(6)]
     assert lrs[2] == lrs[3] == 1e-3 and lrs[4] < lrs[3]  # no second warmup after the switch; one decay at the end
     assert latest(tmp_path / "straight" / "mlm")["adam_t"] == 6  # Adam's t crossed the switch
@@ -737,11 +759,11 @@ def test_every_command_the_demo_chain_prints_runs_as_printed(demo_corpus, tmp_pa
     train.main(tiny)  # python train.py
     said = printed_commands(capsys.readouterr().out)
     assert said.keys() == {"next", "longer"}
-    run_printed(said["next"][0])  # the short MLM decay, 10% of its tokens: one step, from the peak, no warmup
+    run_printed(said["next"][0])  # the short MLM decay, 10% of its tokens: one step, no warmup
     decay = latest("out/demo-mlm-decay")
     assert (decay["phase"], decay["phase_tokens"], decay["history"][0]["tokens"]) == ("decay", STEP_TOKENS,
                                                                                    10 * STEP_TOKENS)
-    assert lrs("out/demo-mlm-decay") == [2e-3]
+    assert lrs("out/demo-mlm-decay") == [pytest.approx(0.1 * 2e-3)]  # its one step is its last: the floor
     capsys.readouterr()
     start = (tmp_path / "out/demo-mlm/model.safetensors").read_bytes()
     run_printed(said["longer"][0])  # as many tokens again, its schedule kept, into a run of its own
@@ -819,7 +841,8 @@ def test_the_rest_of_a_schedule_runs_as_printed(corpus, tmp_path, capsys):
     assert "--decay_frac" not in command and f"--tokens={4 * STEP_TOKENS}" in command
     run_printed(command)
     assert "the wsd schedule goes on from token 1,024 of 3,072: no second warmup" in capsys.readouterr().out
-    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5)
+    whole = train.Config(lr=1e-3, schedule="wsd", warmup_tokens=1024, tokens=6 * STEP_TOKENS, decay_frac=0.5,
+                         seq_len=128, batch_size=4)
     assert lrs(tmp_path / "clm") + lrs(tmp_path / "clm-mlm") == \
         [train.learning_rate(whole, k * STEP_TOKENS) for k in range(6)]
 

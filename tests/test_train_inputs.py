@@ -435,7 +435,7 @@ def test_a_new_budget_that_would_change_a_step_already_run_is_refused(run_dir, t
     train.main([f"--init_from={out}", f"--out_dir={decay}", "--phase=decay", *SMALL, f"--tokens={2 * STEP_TOKENS}"])
     before = {p: p.read_bytes() for p in (decay / "checkpoints").rglob("*") if p.is_file()}
     fails(capsys, [f"--out_dir={decay}", "--resume", f"--tokens={4 * STEP_TOKENS}"], "--tokens=2,048",
-          "1-sqrt schedule would give the step at token 512 the learning rate 0.000275, and it ran at 0.0001818",
+          "1-sqrt schedule would give the step at token 512 the learning rate 0.0002402, and it ran at 5e-05",
           "constant; wsd before its decay", f"--init_from={decay}")
     assert {p: p.read_bytes() for p in (decay / "checkpoints").rglob("*") if p.is_file()} == before
 
