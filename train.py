@@ -294,12 +294,17 @@ def start_point(given, master, world, local_world):
         how = "weights"  # a Hugging Face checkpoint
     flags.check_weights_only(given, how)
     run_dir = state = None
-    if how == "resume":  # its own run directory and newest checkpoint; the budget may grow, the schedule kept
+    if how == "resume":  # its own run directory and newest checkpoint
         run_dir, state = rundir.resume_from(out_dir, master, lambda s: cli.all_gather(s, world)[0], PHASES, FIELDS)
+    else:
+        state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
+    absent = flags.absent_settings(state, Config) if state else {}  # a setting added since it was written
+    if master and absent and how != "weights":  # the settings of a run taken as weights alone are its flags
+        progress.absent(how, absent)
+    if how == "resume":  # the budget may grow, the schedule kept
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
         flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
     else:
-        state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
         cfg = resolve_config(given, parent=state if how == "handoff" else None)
         if "preset" in given and STARTS[how].weights:  # weights keep their shape: only the checkpoint's own
             flags.check_preset(given["preset"], ModernBERTConfig.read(os.path.join(

@@ -18,6 +18,11 @@ RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep
              "log_to", "license", "language", "base_model", "hub_id")
 # The budget, which --resume may change where every step already run keeps its learning rate (check_new_budget).
 BUDGET = ("tokens", "schedule_tokens")
+# What a checkpoint cannot be continued without: its counters, data position and place in its schedule are counted
+# in these. Any other setting a checkpoint lacks (one added to train.py's Config after it was written) takes its
+# default, and the start says so (absent_settings): a setting added there needs a default that does what the code
+# did before it existed.
+REQUIRED = ("phase", "tokens", "seq_len", "batch_size", "seed", "data_seed", "schedule", "schedule_tokens")
 # Documents are [CLS] text [SEP] with at least one text token, so a window holds at most two special tokens in a
 # row: [SEP] [CLS], which no objective labels (MLM never masks a special token; in CLM [SEP] predicts nothing,
 # and neither does a window's last token). Three tokens always hold one that MLM may mask and CLM predicts.
@@ -30,9 +35,17 @@ def field_types(config_cls):
 
 
 def checkpoint_fields(config_cls):
-    """The settings a checkpoint's config holds, with their types. Those that change no number (RESUMABLE) are
-    marked "?": a checkpoint written before such a setting existed lacks it, and a resume takes its default."""
-    return {name: kind + "?" * (name in RESUMABLE) for name, kind in field_types(config_cls).items()}
+    """The settings a checkpoint's config holds, with their types. All but REQUIRED are marked "?": a checkpoint
+    written before such a setting existed lacks it, and takes its default (absent_settings)."""
+    return {name: kind + "?" * (name not in REQUIRED) for name, kind in field_types(config_cls).items()}
+
+
+def absent_settings(state, config_cls):
+    """The settings of config_cls that a checkpoint's config lacks (it was written before they existed), put into
+    it at their defaults, so that what continues from it reads them as any other: {name: default}."""
+    absent = {f.name: f.default for f in dataclasses.fields(config_cls) if f.name not in state["config"]}
+    state["config"].update(absent)
+    return absent
 
 
 def parse_value(key, text, kind):

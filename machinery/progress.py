@@ -101,6 +101,13 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
               f"{saved['schedule_tokens'] or 'its own --tokens'}){kept}")
 
 
+def absent(how, settings):
+    """One line per setting the checkpoint a run continues lacks ({name: default}): it takes its default."""
+    where = "this run" if how == "resume" else "the run it continues"
+    for name, value in settings.items():
+        print(f"{name}: not in {where} (its checkpoint was written before the setting existed), its default {value!r}")
+
+
 def at_its_peak(cfg, done, more, learning_rate):
     """Whether the run of `cfg`, `done` tokens into its schedule, would train `more` tokens at its peak rate if
     its budget grew by that much, every step it ran keeping its rate (a constant schedule past its warmup). Then a

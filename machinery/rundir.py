@@ -591,7 +591,8 @@ def _config(value, fields):
         _setting(item, f"config.{key}", fields[key].rstrip("?"))
     for key in fields:
         if key not in value and not fields[key].endswith("?"):  # "?": a setting an older checkpoint may lack
-            raise _Bad(f"config.{key}", "missing")
+            raise _Bad(f"config.{key}", "missing, and a run cannot continue from it without it: its counters, data "
+                                        "position and place in its schedule are counted in it")
     return value
 
 

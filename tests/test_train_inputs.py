@@ -1,5 +1,6 @@
 """train.py on bad input and under faults: every mistake is one line `error: ...` naming the flag or file,
 exit status 2, no traceback, before any compute; no fault loses or poisons a checkpoint."""
+import dataclasses
 import gc
 import fcntl
 import json
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 import train
 from conftest import ROOT
 from machinery import cli, rundir
+from machinery import flags as flag_rules
 from machinery.cli import InputError
 from machinery.rundir import RunDir
 
@@ -371,22 +373,55 @@ def test_second_writer_is_refused(demo_corpus, tmp_path, capsys):
     assert not (out / ".lock").exists()
 
 
-def test_a_checkpoint_older_than_the_settings_that_change_no_number_resumes(run_dir, tmp_path, capsys):
-    """A checkpoint written before --log_to and the model card's flags existed lacks them: it resumes and hands
-    off with their defaults. A missing setting that changes the numbers is still refused."""
+def test_a_checkpoint_older_than_some_settings_resumes_with_their_defaults(run_dir, tmp_path, capsys):
+    """A checkpoint written before --log_to and the model card's flags existed lacks them: it resumes with their
+    defaults, each said once. A setting its counters and data position are counted in (seq_len) is refused when
+    missing, with the reason."""
     out = copy_run(run_dir, tmp_path)
     path = newest(out) / "state.json"
     state = json.loads(path.read_text())
     for key in ("log_to", "license", "language", "base_model"):
         del state["config"][key]
     path.write_text(json.dumps(state))
+    capsys.readouterr()
     train.main([f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"])
+    printed = capsys.readouterr().out
+    assert printed.count("license: not in this run (its checkpoint was written before the setting existed), its "
+                         "default ''") == 1 and "base_model: not in this run" in printed
     assert RunDir.open(str(out)).latest_state()["config"]["license"] == ""
     path = newest(out) / "state.json"
     state = json.loads(path.read_text())
-    del state["config"]["lr"]
+    del state["config"]["seq_len"]
     path.write_text(json.dumps(state))
-    fails(capsys, [f"--out_dir={out}", "--resume"], "state.json: config.lr: missing")
+    fails(capsys, [f"--out_dir={out}", "--resume"], "state.json: config.seq_len: missing, and a run cannot continue "
+          "from it without it: its counters, data position and place in its schedule are counted in it")
+
+
+def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir, tmp_path, monkeypatch, capsys):
+    """An ablation's first edit: a field added to train.py's Config. A run made before it resumes, hands off and
+    starts --weights_only; where the run's settings are read (a resume, a hand-off) the start says once that the
+    field takes its default, and the checkpoints written from then on hold it."""
+    extended = dataclasses.make_dataclass("Config", [("label_smoothing", float, 0.0)], bases=(train.Config,))
+    monkeypatch.setattr(train, "Config", extended)
+    monkeypatch.setattr(train, "FIELDS", flag_rules.checkpoint_fields(extended))
+    out = copy_run(run_dir, tmp_path)
+    assert "label_smoothing" not in RunDir.open(str(out)).latest_state()["config"]
+    said = "label_smoothing: not in {} (its checkpoint was written before the setting existed), its default 0.0"
+    capsys.readouterr()
+    for how, argv in {"resume": [f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"],
+                      "handoff": [f"--init_from={run_dir}", "--phase=decay", f"--out_dir={tmp_path / 'decay'}",
+                                  f"--tokens={STEP_TOKENS}"],
+                      "weights": [f"--init_from={run_dir}", "--weights_only", f"--out_dir={tmp_path / 'weights'}",
+                                  *SMALL, f"--tokens={STEP_TOKENS}"]}.items():
+        train.main(argv)
+        printed = capsys.readouterr().out
+        where = {"resume": "this run", "handoff": "the run it continues"}.get(how)
+        assert printed.count(said.format(where)) == (1 if where else 0) and "label_smoothing: not in" not in \
+            printed.replace(said.format(where), ""), how
+        state = RunDir.open(str(argv[0 if how == "resume" else 2].split("=", 1)[1])).latest_state()
+        assert state["config"]["label_smoothing"] == 0.0 and state["phase_step"] == 1 + 2 * (how == "resume"), how
+    train.main([f"--out_dir={out}", "--resume", f"--tokens={4 * STEP_TOKENS}"])  # it holds the field now: no word
+    assert "label_smoothing: not in" not in capsys.readouterr().out
 
 
 def test_a_checkpoint_that_calls_adam_t_step_resumes_and_hands_off(run_dir, tmp_path):
