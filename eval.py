@@ -40,7 +40,7 @@ from machinery.metrics import entity_counts, entity_f1_from_counts, f1_counts, f
 from machinery.models import (as_list, check_validation_data, distinct_models, inspect_model, load_weights,
                               model_files, model_tokenizer)
 from machinery.tasks import (SPLITS, cached_seed, carve_dev, is_number, read_tasks, read_texts, seed_folder,
-                             source_digest, subset)
+                             subset)
 from model import IGNORE_INDEX, ModernBERT
 
 # ----------------------------------------------------------------------------
@@ -586,8 +586,8 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     """Fine-tune model on each task folder once per seed; writes out (JSON, after every task) and
     returns it. Each (task, seed) is written with its dev and test predictions to OUT.seeds/ when
     done, under a name keyed on a fingerprint of the settings, the model's weights, the task files'
-    contents and the code that fine-tunes: a later call reuses exactly the pairs whose inputs did
-    not change."""
+    contents and the code (every script and machinery module): a later call reuses exactly the pairs
+    whose inputs and code did not change."""
     tasks = read_tasks(tasks, seeds)  # every input error surfaces before any training
     check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds")])
     splits = {t["name"]: carve_dev(t, dev_min) for t in tasks}  # a bad --dev_min ends here too
@@ -601,8 +601,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
                 test_subset=test_subset, dev_min=dev_min, batch_size=batch_size, pooling=pooling,
                 ner_mode=ner_mode, tokenizer=tok.spec)
     inputs = {**args, "model": info["sha256"], "config": repr(info["config"]), "seeds": None,
-              "tokenizer": tok.fingerprint, "device": device.type,  # what the numbers depend on
-              "code": source_digest(__file__, sys.modules["model"].__file__)}
+              "tokenizer": tok.fingerprint, "device": device.type}  # what the numbers depend on, with the code
     results = {"model": str(model), "args": args, "tasks": {}}
     for task in tasks:
         train, dev, how = splits[task["name"]]

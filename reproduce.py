@@ -36,9 +36,10 @@ own. Ctrl-C or SIGTERM to this driver ends them (SIGTERM, so that a training sav
 60 s); a driver killed outright (SIGKILL) takes them with it.
 
 OUT holds the results of one command. OUT/plan.json keeps each stage's fingerprint: a hash of its command, of the
-content of its inputs (corpus files, the --start checkpoint, task files, held-out texts) and of the fingerprints
-of the stages it depends on. A command whose stages differ from the ones in OUT (another scale, corpus, start,
-task file or flag) is refused, naming the stages that differ: use a new --out. Refused rather than re-run in
+content of its inputs (corpus files, the --start checkpoint, task files, held-out texts), of the code (every .py
+file of the repository) and of the fingerprints of the stages it depends on. A command whose stages differ from
+the ones in OUT (another scale, corpus, start, task file, flag, or edited code) is refused, naming the stages that
+differ or the code: use a new --out. Refused rather than re-run in
 place, because re-running would delete the finished runs of the first command, and a report must never mix two.
 """
 import json

@@ -1,8 +1,9 @@
 """The command-line layer every script shares: one error type, one parser, torchrun's variables checked, one
 device, thread and autocast picker, out-of-memory recognised, output paths checked before the work, JSON in and
-out, a file's SHA-256. A reader of the recipe may skip this file."""
+out, a file's SHA-256 and the code's. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
+import functools
 import math
 import hashlib
 import json
@@ -416,6 +417,26 @@ def sha256_file(path):
                 digest.update(piece)
     except OSError as e:
         raise InputError(f"{path}: cannot read it ({e.strerror})") from None
+    return digest.hexdigest()
+
+
+REPOSITORY = Path(__file__).resolve().parent.parent  # the scripts and machinery/: all the code a result comes from
+
+
+def source_digest():
+    """The hex SHA-256 of every .py file of the repository's scripts and of machinery/ (their names and contents):
+    all the code that can change a result kept across commands (a fine-tuning seed, a study's stage, the code a
+    checkpoint was written by), not a list of files that an edit elsewhere would slip past. Read once per process,
+    as the code it describes was imported once."""
+    return _digest_of_sources(REPOSITORY)
+
+
+@functools.cache
+def _digest_of_sources(root):
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("machinery/*.py")]):
+        content = path.read_bytes()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{len(content)}\0".encode() + content)
     return digest.hexdigest()
 
 

@@ -80,7 +80,7 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
           + (f"; fresh: {', '.join(fresh)}" if kept and fresh else ""))
     saved = state["config"] if state else {}
     if how == "resume" and state["code"].get("sha256") != code_version()["sha256"]:  # resume promises bit for bit
-        print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (the lesson files or "
+        print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (a script or a module of "
               f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was",
               file=sys.stderr)
     if how == "resume" and saved["tokens"] != cfg.tokens:

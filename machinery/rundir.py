@@ -33,7 +33,6 @@ import binascii
 import datetime
 import errno
 import fcntl
-import glob
 import hashlib
 import json
 import math
@@ -46,9 +45,9 @@ import sys
 import threading
 import uuid
 
-from machinery.cli import InputError, Stop, read_json, write_json
+from machinery.cli import InputError, Stop, read_json, source_digest, write_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version hashes it
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version asks git there
 RUN_FILE = "run.json"
 MARKER = ".checkpoint"  # inside a checkpoint folder: the id of the run that wrote it
 STATE = "state.json"
@@ -741,23 +740,14 @@ def set_rng_state(state, device):
 
 
 def code_version():
-    """The git commit when there is one, and a hash of the code that ran (it may be uncommitted): the lesson
-    files and this package."""
-    digest = hashlib.sha256()
-    names = ["model.py", "data.py", "train.py", "freeze.py",
-             *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "machinery", "*.py")))]
-    for name in names:
-        path = os.path.join(ROOT, name)
-        if os.path.isfile(path):
-            digest.update(name.encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read())
+    """The git commit when there is one, and a hash of the code that ran (it may be uncommitted): every script
+    and this package (cli.source_digest)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"git": commit or None, "sha256": digest.hexdigest()[:16]}
+    return {"git": commit or None, "sha256": source_digest()[:16]}
 
 
 def append_log(path, record):

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machinery.cli import InputError, die_with, read_json, write_json
+from machinery.cli import InputError, die_with, read_json, source_digest, write_json
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
 GRACE = 60  # seconds a stage has to stop after SIGTERM (a training ends its step and saves) before SIGKILL
@@ -116,17 +116,20 @@ def in_out(path, out):
 
 
 def fingerprint(stages, out, study, scale):
-    """The plan as OUT/plan.json keeps it: per stage its command, its inputs' content hashes and a fingerprint
-    over both and over the fingerprints of the stages it needs; and one fingerprint for the whole plan."""
-    entries = {}
+    """The plan as OUT/plan.json keeps it: the code that runs it (every script and machinery module:
+    cli.source_digest); per stage its command, its inputs' content hashes and a fingerprint over both, the code
+    and the fingerprints of the stages it needs; and one fingerprint for the whole plan. An edit to any of the
+    code is another command: no stage's result outlives the code that made it."""
+    entries, code = {}, source_digest()
     for s in stages:
         inputs = {rel(p): content(str(p)) for p in s.inputs}
         command = shown(s.command, out)
         ups = [entries[n]["fingerprint"] for n in s.needs]
-        digest = hashlib.sha256(json.dumps([command, inputs, ups]).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps([command, inputs, ups, code]).encode()).hexdigest()
         entries[s.name] = dict(fingerprint=digest, command=command, inputs=inputs)
-    whole = hashlib.sha256(json.dumps([study, {n: e["fingerprint"] for n, e in entries.items()}]).encode())
-    return dict(written_by="reproduce.py", study=study, scale=scale, fingerprint=whole.hexdigest(), stages=entries)
+    whole = hashlib.sha256(json.dumps([study, code, {n: e["fingerprint"] for n, e in entries.items()}]).encode())
+    return dict(written_by="reproduce.py", study=study, scale=scale, code=code, fingerprint=whole.hexdigest(),
+                stages=entries)
 
 
 def check_out(out, plan):
@@ -173,7 +176,11 @@ def check_finished(out, plan):
 
 def differences(old, new):
     """The stages whose fingerprints differ: those with a cause of their own (their command, an input's content,
-    a stage only one command has), then how many differ only through a stage they depend on."""
+    a stage only one command has), then how many differ only through a stage they depend on; or the code, which
+    every stage runs."""
+    if old.get("code") != new["code"]:
+        return (f"{old.get('study')} at scale {old.get('scale')}, run by other code: a .py file of the repository "
+                f"changed since (code {str(old.get('code'))[:12]}, now {new['code'][:12]})")
     before, now = old["stages"], new["stages"]
     differ = [n for n in now if (before.get(n) or {}).get("fingerprint") != now[n]["fingerprint"]]
     own = {}

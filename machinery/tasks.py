@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.cli import InputError, read_json, save, sha256_file
+from machinery.cli import InputError, read_json, save, sha256_file, source_digest
 
 SPLITS = ("train", "dev", "test")
 
@@ -246,21 +246,13 @@ def load_results(path):
     return r
 
 
-def source_digest(*files):
-    """sha256 over the source files given (the code that produces a result: a saved result is reused only when
-    they are unchanged)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()
-
-
 def cached_seed(seed_dir, task, inputs, seed, compute):
     """A (task, seed) result of `eval.py finetune`: read from its file in seed_dir when an earlier call computed it
-    from the same inputs (settings, the model's weights, the task files' contents, the code's source), else
-    compute() -> (result, {"dev": rows, "test": rows}), written at once. Returned with "predictions": that file,
-    relative to the results file's folder (a comparison recomputes the metrics from its predictions)."""
-    key = {**inputs, "seed": seed}
+    from the same inputs (settings, the model's weights, the task files' contents) and the same code (every script
+    and machinery module: cli.source_digest), else compute() -> (result, {"dev": rows, "test": rows}), written at
+    once. Returned with "predictions": that file, relative to the results file's folder (a comparison recomputes
+    the metrics from its predictions)."""
+    key = {**inputs, "seed": seed, "code": source_digest()}
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
     if path.is_file():

@@ -34,6 +34,19 @@ def need(path: Path) -> Path:
     return path
 
 
+def source_copy(folder, edit=None):
+    """folder: a copy of the repository's code as cli.source_digest reads it (the scripts and machinery/*.py);
+    `edit`, a path in it such as "machinery/metrics.py", gets a line added: code edited, the repository untouched."""
+    import shutil
+    (folder / "machinery").mkdir(parents=True)
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("machinery/*.py")]:
+        shutil.copyfile(path, folder / path.relative_to(ROOT))
+    if edit:
+        with open(folder / edit, "a") as f:
+            f.write("# an edit\n")
+    return folder
+
+
 def tiny_model(seed=0, **config):
     """A random `tiny` ModernBERT (4 blocks, 128 wide) over the byte tokenizer's ids, seeded."""
     from model import ModernBERT, ModernBERTConfig

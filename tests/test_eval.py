@@ -6,15 +6,16 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, made_up_texts, need, tiny_model
+from conftest import BYTE_IDS, MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, made_up_texts, need, source_copy, tiny_model
 
 import eval as ev
-from machinery import compare, metrics
+from machinery import cli, compare, metrics
 from data import count_windows, load_tokenizer, prepare, val_batches
 from machinery.cli import InputError, run
 from machinery.tasks import read_task
@@ -480,12 +481,14 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     assert changed["tasks"]["animals"]["sha256"]["test"] != first["tasks"]["animals"]["sha256"]["test"]
     (task / "test.jsonl").write_text("\n".join(lines) + "\n")  # back as it was: the first files count again
     assert ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw) == first
-    # the code that fine-tunes is in the key: an edited eval.py or model.py never reuses a result
+    # all the code is in the key: the same code elsewhere reuses a result, an edit to any module of the package (the
+    # metrics, the attention kernels: in a copy of the code) never does
     capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ev, "source_digest", lambda *files: "an edited eval.py")
-        ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **kw)
-    assert "skip" not in capsys.readouterr().out
+    for edit in (None, "machinery/metrics.py", "machinery/kernels.py"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cli, "REPOSITORY", source_copy(tmp_path / f"code-{edit and Path(edit).stem}", edit))
+            ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **kw)
+        assert ("skip, done in" in capsys.readouterr().out) == (edit is None), edit
     ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)  # a.json as it was
 
     # a second model on seeds 2 and 3: compared on the seed both ran

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA, need
+from conftest import ROOT, SHARED_DATA, need, source_copy
 
 CORPUS = SHARED_DATA / "corpus" / "e3c_en_clinical_cases.jsonl"
 TASKS = [SHARED_DATA / "tasks" / t for t in ("ncbi_disease", "chemprot", "pubmedqa")]
@@ -475,6 +475,29 @@ WRITES = ("import sys, pathlib\n"
           "        (p / name).write_text(name + ' of the stage')\n"
           "else:\n"
           "    p.write_text('the stage wrote this')\n")
+
+
+def test_an_experiment_run_by_other_code_is_refused(tmp_path, monkeypatch):
+    """The code is in every stage's fingerprint: after an edit to any module (here machinery/compare.py, in a copy
+    of the code) the same command on a finished experiment is refused, saying that the code changed, and no
+    stage of it counts as finished; the same code elsewhere (an unedited copy) is the same plan."""
+    from machinery import cli, stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    plan_of = [stages.Stage("cka", [sys.executable, "-c", WRITES, f"--out={out / 'cka.json'}"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    stages.run(plan_of, out, plan, 1, 1)
+    monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / "same"))
+    assert stages.fingerprint(plan_of, out, "test", "unit") == plan
+    stages.check_out(out, plan)
+    monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / "edited", "machinery/compare.py"))
+    edited = stages.fingerprint(plan_of, out, "test", "unit")
+    with pytest.raises(InputError, match=r"holds the results of another command \(test at scale unit, run by other "
+                                         r"code: a \.py file of the repository changed since"):
+        stages.check_out(out, edited)
+    assert not stages.stage_record(out, "cka", edited["stages"]["cka"]["fingerprint"])
 
 
 def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_model
+from conftest import ROOT, source_copy, tiny_model
 from safetensors.torch import load_file
 
 import data
@@ -804,17 +804,18 @@ def test_rng_state_round_trips_through_json():
     assert torch.equal(torch.rand(5), expected)
 
 
-def test_code_version_hashes_the_lesson_files_and_the_machinery(tmp_path, monkeypatch):
-    for name in ("model.py", "data.py", "train.py", "freeze.py", "machinery/cli.py"):
-        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
-        (tmp_path / name).write_text(name)
-    monkeypatch.setattr(rundir, "ROOT", str(tmp_path))
-    first = rundir.code_version()
-    assert first["git"] is None and len(first["sha256"]) == 16
-    (tmp_path / "machinery" / "cli.py").write_text("changed")
-    assert rundir.code_version()["sha256"] != first["sha256"]
-    (tmp_path / "machinery" / "cli.py").write_text("machinery/cli.py")
-    assert rundir.code_version() == first
+def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatch):
+    """A checkpoint's code version: the commit where git has one, and a hash of every script and machinery module
+    (cli.source_digest), the same for the same code anywhere and different after an edit to any of them."""
+    from machinery import cli
+    here = cli.source_digest()[:16]  # this repository's code
+    monkeypatch.setattr(rundir, "ROOT", str(tmp_path))  # no git repository there
+    versions = {}
+    for edit in (None, "eval.py", "machinery/cli.py"):
+        monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / str(edit).replace("/", "-"), edit))
+        versions[edit] = rundir.code_version()
+    assert versions[None] == {"git": None, "sha256": here}
+    assert len({v["sha256"] for v in versions.values()}) == 3
 
 
 def test_append_log_writes_strict_json_lines(tmp_path):
