@@ -23,6 +23,10 @@ HF_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "hidden_activation"
            "num_attention_heads", "global_attn_every_n_layers", "local_attention", "global_rope_theta",
            "local_rope_theta", "norm_eps", "attention_dropout", "initializer_range", "initializer_cutoff_factor",
            "max_position_embeddings", "pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id", "layer_types"}
+# check_saved: the largest logit difference, as a share of the largest logit (at least 1), that a reload may show
+# on the CPU in fp32 (rounding: model.py and transformers agree to about 1e-6 there; a GELU computed as SiLU in a
+# few-step demo run moves them by 4e-4).
+RELOAD_TOLERANCE = 1e-5
 # transformers 5.x keeps the rotary bases per layer type; 4.x (and our config) as two fields.
 ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
 
@@ -176,6 +180,73 @@ def write_checkpoint(path, state, config):
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(path, "model.safetensors"))
     write_json(os.path.join(path, "config.json"), config_to_hf(config))
+
+
+def check_saved(model, path):
+    """After `model` is saved to `path`: the folder reloaded as a user would, by the model's own class and by
+    transformers where it is installed, and each one's logits on a test sequence against the model as it is in
+    memory, all on the CPU in fp32. A difference means that what trained is not what was saved: one warning line
+    naming the likely cause. Returns the largest difference per loader. The global RNG is left as it was (dropout
+    streams go on as without the check) and so is the model."""
+    import copy
+
+    import torch
+    c, cpu = model.config, torch.device("cpu")
+    T = min(c.max_position_embeddings, c.local_attention + 8)  # keys beyond a local layer's reach (window each side)
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    params = [*model.parameters(), *model.buffers()]
+    if all(p.device == cpu and p.dtype == torch.float32 for p in params) and model.compiled_with is None:
+        twin = model  # already as the check runs it: no copy
+    else:  # the module as it is (its code, its attributes), on CPU copies of its tensors
+        memo = {id(p): torch.nn.Parameter(p.detach().to(cpu, torch.float32), p.requires_grad)
+                for p in model.parameters()}
+        memo |= {id(b): b.detach().to(cpu) for b in model.buffers()}
+        twin = copy.deepcopy(model, memo)
+        for m in twin.modules():
+            m._compiled_call_impl = None  # nn.Module.compile's: run eager
+    backend = model.backend if model.backend in ("auto", "reference", "sdpa") else "auto"  # the CPU's
+    was_training, previous = twin.training, twin.backend
+    differences = {}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            twin.eval()
+            twin.backend = backend
+            want = twin(ids)[0]
+            ours = type(model).from_pretrained(path, backend=backend).eval()
+            differences["model.py"] = (ours(ids)[0] - want).abs().max().item()
+            try:
+                import transformers
+            except ImportError:
+                transformers = None
+            if transformers is not None:
+                quiet = transformers.logging  # its load report and progress bar are not this check's business
+                verbosity, bars = quiet.get_verbosity(), quiet.is_progress_bar_enabled()
+                quiet.set_verbosity_error()
+                quiet.disable_progress_bar()
+                try:
+                    theirs = transformers.AutoModelForMaskedLM.from_pretrained(path, attn_implementation="sdpa").eval()
+                finally:
+                    quiet.set_verbosity(verbosity)
+                    if bars:
+                        quiet.enable_progress_bar()
+                differences["transformers"] = (theirs(input_ids=ids).logits - want).abs().max().item()
+    finally:
+        twin.train(was_training)
+        twin.backend = previous
+    scale = max(1.0, want.abs().max().item())
+    wrong = {name: d for name, d in differences.items() if not d <= RELOAD_TOLERANCE * scale}
+    if "model.py" in wrong:
+        print(f"warning: {path} does not reload as the model that trained: reloaded by model.py, its logits differ by "
+              f"{wrong['model.py']:.2g} from the model in memory on a test sequence. The model ran something its "
+              f"config.json does not hold (a module or attribute changed after the model was built?): make the change "
+              f"a ModernBERTConfig field, which config.json holds", file=sys.stderr, flush=True)
+    elif wrong:
+        print(f"warning: transformers loads {path} as another model: its logits differ by {wrong['transformers']:.2g} "
+              f"from the model in memory on a test sequence, while model.py's own loader agrees. model.py computes "
+              f"something its config.json does not describe (code edited in place of a config field: an activation, "
+              f"a window, a norm?): make it a ModernBERTConfig field that transformers reads, as hidden_activation "
+              f"is", file=sys.stderr, flush=True)
+    return differences
 
 
 def resolve_checkpoint(path_or_id):

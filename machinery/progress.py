@@ -14,6 +14,7 @@ import torch
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, launcher
 from machinery.curves import run_dir_of, saved_config
+from machinery.hf import check_saved
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -67,6 +68,7 @@ class Run:
     schedule_start: int  # tokens of the schedule run before this phase
     history: list  # the runs this one continues: [{phase, tokens, dir}]
     code: dict  # the code version, saved with every checkpoint
+    reloaded: bool = False  # whether a save of this invocation was reloaded and compared (hf.check_saved)
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -298,11 +300,16 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
 
 def saved(r, learning_rate):
     """After a checkpoint: the loss picture and the model card, side jobs (a failure is a warning, the checkpoint is
-    written already), and the line that says so."""
+    written already), and the line that says so. The first save of an invocation is reloaded as a user would and
+    compared with the model in memory (hf.check_saved: a warning if they differ); the code that ran does not change
+    within an invocation, so once is enough."""
     from machinery.curves import draw_run
     cli.side_job("the loss picture", draw_run, r.run_dir.path)
     cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
-    print(f"saved {r.run_dir.path} at step {r.phase_step}")
+    print(f"saved {r.run_dir.path} at step {r.phase_step}", flush=True)
+    if not r.reloaded:
+        cli.side_job("the check that the saved model reloads as it trained", check_saved, r.model, r.run_dir.path)
+        r.reloaded = True
 
 
 def finish(r, total_steps, stopped_by, elapsed, learning_rate):

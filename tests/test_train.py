@@ -297,6 +297,34 @@ def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypa
         run(corpus, tmp_path / "refused", *flags, "--loss=fused")
 
 
+def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """The first save of a run is reloaded as a user would and compared with the model in memory: a clean run says
+    nothing; an activation hard-coded in model.py (SiLU where config.json says gelu) is one warning that
+    transformers loads another model; a module swapped on the model after it was built (not in its config) is one
+    warning that the folder does not reload as the model that trained."""
+    import model
+    flags = [f"--tokens={2 * STEP_TOKENS}", "--save_interval=1"]
+    run(corpus, tmp_path / "clean", *flags)
+    assert "warning" not in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(model.ACTIVATIONS, "gelu", F.silu)  # a hard-coded edit: the config field still says gelu
+        run(corpus, tmp_path / "silu", *flags)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"warning: transformers loads {tmp_path / 'silu'} as another model" in err
+    assert "code edited in place of a config field" in err and "hidden_activation" in err
+    build = train.build_model
+
+    def swapped(*args):  # an edit in train.py after the model is built: block 1 local no more
+        built, source = build(*args)
+        built.model.layers[1].local = False
+        return built, source
+    monkeypatch.setattr(train, "build_model", swapped)
+    run(corpus, tmp_path / "swapped", *flags)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"warning: {tmp_path / 'swapped'} does not reload as the model that " \
+        "trained" in err
+
+
 def test_what_an_objective_is_comes_from_its_table_entry(monkeypatch):
     """A new objective is one function and one entry in data.OBJECTIVES: the checks, the FLOP count's share of
     predicted positions and the start line read its entry (causal, masked), never its name."""
