@@ -337,14 +337,21 @@ def schedule_start(cfg, how, state):
     return state["schedule_tokens_done"]
 
 
+def fresh_config(cfg, meta):
+    """A fresh model's architecture: --preset's, with the data's vocabulary and special ids."""
+    vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
+    return ModernBERTConfig.from_preset(cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"],
+                                        cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
+                                        mask_token_id=meta["mask_id"])
+
+
 def build_model(cfg, how, state, meta, device):
-    """The model, its configuration checked against the data before any weight is loaded."""
+    """The model, its configuration checked against the data before any weight is loaded. A model from a
+    checkpoint keeps the checkpoint's architecture, as its weights do; where this code would build another (an
+    edited window, activation, ...), the start says so."""
     source = rundir.checkpoint_dir(cfg.init_from, state) if STARTS[how].weights else None
     if source is None:
-        vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
-        config = ModernBERTConfig.from_preset(
-            cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
-            sep_token_id=meta["sep_id"], mask_token_id=meta["mask_id"])
+        config = fresh_config(cfg, meta)
     else:
         config = ModernBERTConfig.read(os.path.join(source, "config.json"))
     flags.check_data_fits_model(meta, config, cfg)
@@ -435,6 +442,9 @@ def setup(given):
     start = schedule_start(cfg, how, state)
     if rank == 0:
         progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
+        unlike = source and flags.unlike_fresh(model.config, lambda preset: fresh_config(
+            dataclasses.replace(cfg, preset=preset), meta), PRESETS)
+        progress.architecture(model.config, source, unlike or {})
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     if cfg.compile and device.type in COMPILERS:
         kernels.compile_blocks(model, COMPILERS[device.type])

@@ -332,6 +332,18 @@ def preset_of(config, presets):
                  if same_shape and all(getattr(config, key) == value for key, value in dims.items())), "")
 
 
+def unlike_fresh(config, fresh, presets):
+    """Where a checkpoint's architecture (`config`) differs from the one this code gives a fresh model of its sizes
+    (`fresh(preset)`: train.py's fresh_config, for the preset of those sizes): {field: (the checkpoint's value, a
+    fresh model's)} over SHAPE and the layer types; {} where no preset has its sizes. A continued run keeps the
+    checkpoint's."""
+    sized = next((name for name, dims in presets.items() if all(
+        getattr(config, key) == value for key, value in dims.items() if key not in SHAPE)), None)
+    new = fresh(sized) if sized else config
+    return {key: (getattr(config, key), getattr(new, key)) for key in (*SHAPE, "layer_types")
+            if getattr(config, key) != getattr(new, key)}
+
+
 def check_preset(preset, config, init_from, presets):
     """A --preset given with --init_from: weights keep their shape, so only the checkpoint's own preset is allowed."""
     if preset != preset_of(config, presets):

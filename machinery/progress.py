@@ -103,6 +103,25 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
               f"{saved['schedule_tokens'] or 'its own --tokens'}){kept}")
 
 
+def architecture(config, source, unlike):
+    """The shape and attention settings the run trains (model.py's config), whether they are kept from a checkpoint
+    (`source`), and a warning where this code would build a fresh model otherwise (`unlike`: {field: (kept,
+    fresh)}), which a continued run does not apply."""
+    c = config
+    globals_ = [i for i, kind in enumerate(c.layer_types) if kind == "full_attention"]
+    print(f"architecture: {c.num_hidden_layers} blocks {c.hidden_size} wide, {c.num_attention_heads} heads, GLU MLP "
+          f"{c.intermediate_size} wide with {c.hidden_activation}; global attention in block(s) "
+          f"{', '.join(map(str, globals_))} (global_attn_every_n_layers={c.global_attn_every_n_layers}), local "
+          f"elsewhere: a window of {c.local_attention} tokens ({c.window} each side); RoPE theta "
+          f"{c.global_rope_theta:,g} global, {c.local_rope_theta:,g} local; attention dropout {c.attention_dropout}"
+          + (f"; kept from {source}, as its weights are" if source else ""))
+    if unlike:
+        kept = ", ".join(f"{key}={old!r}" for key, (old, _) in unlike.items())
+        new = ", ".join(f"{key}={value!r}" for key, (_, value) in unlike.items())
+        print(f"warning: this code builds a fresh model with {new}; this run keeps {kept} from {source} (a run that "
+              f"continues a checkpoint keeps its architecture): to train yours, start from scratch", file=sys.stderr)
+
+
 def absent(how, settings):
     """One line per setting the checkpoint a run continues lacks ({name: default}): it takes its default."""
     where = "this run" if how == "resume" else "the run it continues"

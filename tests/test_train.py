@@ -325,6 +325,32 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
         "trained" in err
 
 
+def test_a_continued_run_states_the_architecture_it_keeps(corpus, tmp_path, monkeypatch, capsys):
+    """The start names the shape and attention settings a run trains (window, global-layer period, activation). A
+    run that continues a checkpoint keeps the checkpoint's, says so, and warns where this code would build a fresh
+    model otherwise (a window edited in the preset after the run was made); --dropout, the one flag that sets a
+    config field, is applied to a continued run and said; --preset is refused (tests/test_train_inputs.py)."""
+    run(corpus, tmp_path / "run", f"--tokens={2 * STEP_TOKENS}")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("architecture: "))
+    assert "4 blocks 128 wide" in line and "with gelu" in line and "global attention in block(s) 0, 3 " \
+        "(global_attn_every_n_layers=3)" in line and "a window of 128 tokens (64 each side)" in line
+    monkeypatch.setitem(train.PRESETS, "tiny", {**train.PRESETS["tiny"], "local_attention": 32})  # the ablation
+    run(corpus, tmp_path / "fresh", f"--tokens={STEP_TOKENS}")
+    assert "a window of 32 tokens (16 each side)" in capsys.readouterr().out
+    for name, flags in {"handoff": [f"--init_from={tmp_path / 'run'}", "--dropout=0.1"],
+                        "weights": [f"--init_from={tmp_path / 'run'}", "--weights_only"]}.items():
+        train.main([f"--data={corpus}", f"--out_dir={tmp_path / name}", f"--tokens={STEP_TOKENS}", *flags,
+                    *(f for f in SMALL if not f.startswith("--preset="))])  # the edited tiny is not the run's
+        out, err = capsys.readouterr()
+        line = next(x for x in out.splitlines() if x.startswith("architecture: "))
+        assert "a window of 128 tokens" in line and "; kept from " in line, name
+        assert f"attention dropout {0.1 if name == 'handoff' else 0.0}" in line, name
+        assert "warning: this code builds a fresh model with local_attention=32; this run keeps " \
+            "local_attention=128 from" in err, name
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        assert saved["local_attention"] == 128 and saved["attention_dropout"] == (0.1 if name == "handoff" else 0.0)
+
+
 def test_what_an_objective_is_comes_from_its_table_entry(monkeypatch):
     """A new objective is one function and one entry in data.OBJECTIVES: the checks, the FLOP count's share of
     predicted positions and the start line read its entry (causal, masked), never its name."""
