@@ -11,9 +11,17 @@ a seed-noise band), what they are worth downstream (fine-tuning), and how well i
     python eval.py curves out/clm out/mlm --out=out/curves.png
     python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
-A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. Sections:
-batches, CKA and its band, task kinds, fine-tuning, validation loss and curves. Two lessons of
-their own live in one file each: comparing arms (intervals, power, verdicts, the `table` command:
+A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. This file
+holds three lessons, one `# ---` section each, in this order (after the batches they share):
+
+  1. CKA and its seed-noise band (`# CKA:`): linear_cka, layer_means, band and BAND_RULE,
+     control_pairs, cka, cka_summary, trend.
+  2. Task kinds and how each is scored (`# Task kinds.`): Kind, TokenClassification,
+     SingleLabel, MultiLabel, KINDS (through kind_of).
+  3. Fine-tuning (`# Fine-tuning:`): Classifier, budget, train_seed, finetune, finetune_task.
+
+Then validation loss and loss curves (mlm, curves) and the command line. Two lessons of their
+own live in one file each: comparing arms (intervals, power, verdicts, the `table` command:
 machinery/compare.py) and long context (the `needle` command: machinery/needle.py). The
 machinery a reader may skip: the metrics (machinery/metrics.py), models and tokenizers found and
 checked (machinery/models.py), task and results files (machinery/tasks.py), tables and figures

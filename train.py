@@ -256,8 +256,11 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
 
 
 # -----------------------------------------------------------------------------
-# Where a run starts: decided, checked and printed in one place. There are four ways, and STARTS says what each
-# carries over from where it starts; restore() takes exactly that, and the run's first line prints it.
+# Where a run starts, told here once. The flags pick one of four ways (start_point): --resume; else --init_from:
+# scratch (a fresh model), a run of ours (a phase hand-off, or its weights alone with --weights_only), anything else
+# (a Hugging Face checkpoint's weights). Its row of STARTS says what it carries over: build_model takes the
+# weights, restore() Adam's moments and t, the data position and the RNG streams, schedule_start its place in the
+# schedule; the run's first lines print all of it. The rest of this section reads and checks.
 
 
 @dataclass(frozen=True)
@@ -462,10 +465,11 @@ def setup(given):
 
 
 def train(r):
-    """The loop: micro-batches accumulate gradients, then one clipped AdamW step; log, save,
-    validate. Returns (budget steps, the signal that stopped it (Ctrl-C's SIGINT, SIGTERM) or None, seconds)."""
+    """The loop. A step: micro-batches whose gradients accumulate, the frozen blocks' gradients zeroed, the gradient
+    clipped, one AdamW step; then its record is logged, and the model validated and saved at their intervals
+    (log_and_save). Returns (budget steps, the signal that stopped it (Ctrl-C's SIGINT, SIGTERM) or None, seconds)."""
     cfg, model, params = r.cfg, r.model, list(r.model.parameters())
-    per_step, micro_batch = cfg.batch_size * cfg.seq_len, cfg.batch_size // r.accum // r.world
+    per_step = cfg.batch_size * cfg.seq_len
     total_steps = cfg.tokens // per_step
     stop_at = min(total_steps, r.phase_step + cfg.max_steps) if cfg.max_steps else total_steps
     check_savable(checkpoint_state(r, []), max(0, total_steps - r.phase_step), per_step, FIELDS)  # before any step
@@ -477,7 +481,7 @@ def train(r):
     peak = peak_flops(r.device)
     first_step, t_start, anyone_stopping = r.phase_step, time.time(), False
     if r.rank == 0 and r.phase_step == 0 and STARTS[r.how].weights:  # a continued run's curve starts at its start
-        progress.start_line(validate(r, dict(phase=cfg.phase, step=0, tokens=0), micro_batch))
+        progress.start_line(validate(r, dict(phase=cfg.phase, step=0, tokens=0)))
     with GracefulStop() as signals:
         while r.phase_step < stop_at and not anyone_stopping:
             t0 = time.time()
@@ -497,11 +501,7 @@ def train(r):
                 summed, n = token_sum(loss, y)
                 loss_sum, labelled = loss_sum + summed, labelled + n
             freeze.zero_frozen_grads(model, r.frozen)
-            if cfg.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            else:
-                grads = [p.grad for p in params if p.grad is not None]
-                grad_norm = torch.nn.utils.get_total_norm(grads)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)  # 0: the norm, unclipped
             # the step's loss over every rank's tokens, and whether any rank got Ctrl-C or SIGTERM: one all-reduce
             lossf, anyone_stopping, norm = across_ranks(loss_sum, labelled, signals.requested, grad_norm)
             flags.check_finite(lossf, norm, r.phase_step + 1, cfg)  # before the weights change
@@ -510,26 +510,34 @@ def train(r):
                 p.grad = None
             r.phase_step, r.phase_tokens = r.phase_step + 1, r.phase_tokens + per_step
             record = progress.record(r, lossf, lr, norm, time.time() - t0, flops, peak)
-            if r.run_dir:  # before the save, so that the log and the checkpoint agree
-                r.run_dir.append_log(record)
-                r.tracker.log(record)
-            if r.rank == 0 and (r.phase_step % cfg.eval_interval == 0 or r.phase_step == total_steps):
-                record.update(validate(r, {k: record[k] for k in ("phase", "step", "tokens")}, micro_batch))
-            interval = cfg.save_interval and r.phase_step % cfg.save_interval == 0
-            if r.phase_step == stop_at or anyone_stopping or interval:
-                save(r)
-            if r.rank == 0 and (r.phase_step % cfg.log_interval == 0 or "val_mlm" in record
-                                or r.phase_step in (stop_at, first_step + 1)):
-                eta = (time.time() - t_start) / (r.phase_step - first_step) * (stop_at - r.phase_step)
-                progress.step_line(cfg, record, total_steps, eta)
+            eta = (time.time() - t_start) / (r.phase_step - first_step) * (stop_at - r.phase_step)
+            log_and_save(r, record, total_steps, stop_at, anyone_stopping, eta, r.phase_step == first_step + 1)
     stopped_by = (signals.signal_name or "SIGINT") if anyone_stopping else None  # another rank's: Ctrl-C, likely
     return total_steps, stopped_by, time.time() - t_start
 
 
-def validate(r, record, micro_batch):
+def log_and_save(r, record, total_steps, stop_at, stopping, eta, first):
+    """After a step: its record in the log and the trackers; the validation losses every eval_interval steps and at
+    the end of the budget; a checkpoint every save_interval steps, where this invocation stops, and when a signal
+    stops the run (a save is a collective: every rank comes here); the printed line every log_interval steps, with
+    each validation, and at this invocation's first and last step."""
+    cfg, step = r.cfg, r.phase_step
+    if r.run_dir:  # before the save, so that the log and the checkpoint agree
+        r.run_dir.append_log(record)
+        r.tracker.log(record)
+    if r.rank == 0 and (step % cfg.eval_interval == 0 or step == total_steps):
+        record.update(validate(r, {k: record[k] for k in ("phase", "step", "tokens")}))
+    if step == stop_at or stopping or (cfg.save_interval and step % cfg.save_interval == 0):
+        save(r)
+    if r.rank == 0 and (step % cfg.log_interval == 0 or "val_mlm" in record or step == stop_at or first):
+        progress.step_line(cfg, record, total_steps, eta)
+
+
+def validate(r, record):
     """The validation losses, added to `record` (phase, step, tokens), logged and tracked (rank 0)."""
     cfg = r.cfg
     sep_id = r.meta["sep_id"] if cfg.separate_documents else None
+    micro_batch = cfg.batch_size // r.accum // r.world  # sequences per forward, as in training
     record = {**record, **validation_losses(r.model, cfg.data, cfg.seq_len, cfg.eval_sequences, micro_batch,
                                             r.device, cfg.dtype, sep_id)}
     r.run_dir.append_log(record)  # in the checkpoint's log too
