@@ -302,8 +302,8 @@ def start_point(given, master, world, local_world):
     else:
         state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
     absent = flags.absent_settings(state, Config) if state else {}  # a setting added since it was written
-    if master and absent and how != "weights":  # the settings of a run taken as weights alone are its flags
-        progress.absent(how, absent)
+    if master:
+        progress.absent(how, absent, given, INHERITED)
     if how == "resume":  # the budget may grow, the schedule kept
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
         flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
@@ -434,8 +434,7 @@ def setup(given):
     loader = data.Loader(cfg.data, "train", cfg.seq_len, cfg.batch_size, micro, rank, world,
                          cfg.objective, cfg.mask_rate, cfg.data_seed, cfg.seed, device=device)
     model, source = build_model(cfg, how, state, meta, device)
-    if STARTS[how].weights:  # the checkpoint's architecture, recorded as what it is
-        cfg.preset = flags.preset_of(model.config, PRESETS)
+    cfg.preset = flags.preset_of(model.config, PRESETS)  # the architecture that runs, recorded as what it is
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
     frozen = freeze.frozen_names(model, layers)

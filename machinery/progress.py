@@ -122,11 +122,14 @@ def architecture(config, source, unlike):
               f"continues a checkpoint keeps its architecture): to train yours, start from scratch", file=sys.stderr)
 
 
-def absent(how, settings):
-    """One line per setting the checkpoint a run continues lacks ({name: default}): it takes its default."""
-    where = "this run" if how == "resume" else "the run it continues"
+def absent(how, settings, given, inherited):
+    """One line per setting the checkpoint a run continues lacks ({name: default}) and the run takes from it, at its
+    default: any a resume does, those a hand-off inherits (`inherited`), none that a flag gives (`given`)."""
+    where = {"resume": "this run", "handoff": "the run it continues"}.get(how)
     for name, value in settings.items():
-        print(f"{name}: not in {where} (its checkpoint was written before the setting existed), its default {value!r}")
+        if where and name not in given and (how == "resume" or name in inherited):
+            print(f"{name}: not in {where} (its checkpoint was written before the setting existed), its default "
+                  f"{value!r}")
 
 
 def at_its_peak(cfg, done, more, learning_rate):

@@ -349,6 +349,11 @@ def test_a_continued_run_states_the_architecture_it_keeps(corpus, tmp_path, monk
             "local_attention=128 from" in err, name
         saved = json.loads((tmp_path / name / "config.json").read_text())
         assert saved["local_attention"] == 128 and saved["attention_dropout"] == (0.1 if name == "handoff" else 0.0)
+    fresh = train.fresh_config  # a SwiGLU made where a fresh model's configuration is: recorded as no preset
+    monkeypatch.setattr(train, "fresh_config", lambda cfg, meta: fresh(cfg, meta).replace(hidden_activation="silu"))
+    run(corpus, tmp_path / "swiglu", f"--tokens={STEP_TOKENS}")
+    assert latest(tmp_path / "swiglu")["config"]["preset"] == ""
+    assert "(custom architecture, " in (tmp_path / "swiglu" / "README.md").read_text()
 
 
 def test_what_an_objective_is_comes_from_its_table_entry(monkeypatch):

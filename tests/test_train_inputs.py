@@ -398,12 +398,14 @@ def test_a_checkpoint_older_than_some_settings_resumes_with_their_defaults(run_d
 
 
 def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir, tmp_path, monkeypatch, capsys):
-    """An ablation's first edit: a field added to train.py's Config. A run made before it resumes, hands off and
-    starts --weights_only; where the run's settings are read (a resume, a hand-off) the start says once that the
-    field takes its default, and the checkpoints written from then on hold it."""
+    """An ablation's first edit: a field added to train.py's Config (here one a hand-off inherits). A run made
+    before it resumes, hands off and starts --weights_only; where the run's settings are read (a resume, a
+    hand-off) the start says once that the field takes its default, and the checkpoints written from then on hold
+    it. A flag given for it is taken, and not said to be the default."""
     extended = dataclasses.make_dataclass("Config", [("label_smoothing", float, 0.0)], bases=(train.Config,))
     monkeypatch.setattr(train, "Config", extended)
     monkeypatch.setattr(train, "FIELDS", flag_rules.checkpoint_fields(extended))
+    monkeypatch.setattr(train, "INHERITED", (*train.INHERITED, "label_smoothing"))
     out = copy_run(run_dir, tmp_path)
     assert "label_smoothing" not in RunDir.open(str(out)).latest_state()["config"]
     said = "label_smoothing: not in {} (its checkpoint was written before the setting existed), its default 0.0"
@@ -422,6 +424,10 @@ def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir
         assert state["config"]["label_smoothing"] == 0.0 and state["phase_step"] == 1 + 2 * (how == "resume"), how
     train.main([f"--out_dir={out}", "--resume", f"--tokens={4 * STEP_TOKENS}"])  # it holds the field now: no word
     assert "label_smoothing: not in" not in capsys.readouterr().out
+    train.main([f"--init_from={run_dir}", "--phase=decay", f"--out_dir={tmp_path / 'given'}", f"--tokens={STEP_TOKENS}",
+                "--label_smoothing=0.1"])
+    assert "label_smoothing: not in" not in capsys.readouterr().out
+    assert RunDir.open(str(tmp_path / "given")).latest_state()["config"]["label_smoothing"] == 0.1
 
 
 def test_a_checkpoint_that_calls_adam_t_step_resumes_and_hands_off(run_dir, tmp_path):
