@@ -63,9 +63,9 @@ class Config:
     beta2: float = 0.98  # Adam's second-moment decay
     eps: float = 1e-6  # Adam's denominator floor
     weight_decay: float = 1e-5  # decoupled: p *= 1 - (lr_t / lr) * wd, none on biases and norms
-    schedule: str = "constant"  # a row of SCHEDULES: constant | 1-sqrt | wsd
+    schedule: str = "constant"  # a row of SCHEDULES (the phase sets it: constant, or 1-sqrt for the decay)
     warmup_tokens: int = 100_000_000  # linear warmup from 0 at the start of a schedule
-    final_lr_frac: float = 0.1  # where 1-sqrt and wsd end, as a share of the peak
+    final_lr_frac: float = 0.1  # a decay's last step's rate, as a share of the peak
     decay_frac: float = 0.1  # wsd: the decay's share of the schedule's budget
     decay_tokens: int = 0  # wsd: the decay's length in tokens; overrides decay_frac when > 0
     schedule_tokens: int = 0  # one schedule's budget (0: --tokens); a later phase may continue it
