@@ -92,6 +92,25 @@ def test_an_edited_activation_is_saved_as_it_runs(tmp_path, activation, capsys):
         config.replace(hidden_activation="reglu")
 
 
+def test_the_check_at_a_save_runs_a_copy_of_a_compiled_model_and_leaves_all_as_it_was(tmp_path, capsys):
+    """hf.check_saved on a model that is not CPU fp32 eager (here float64, with blocks as nn.Module.compile leaves
+    them): it compares a CPU fp32 copy that runs eager with model.py's and transformers' reloads, all equal, and
+    leaves the model (dtype, mode, calls) and the global RNG as they were."""
+    from machinery.hf import check_saved
+    model = tiny_model().train()
+    model.save_pretrained(tmp_path)
+    model.double()
+    model.compiled_with = "a test double"
+    for block in model.model.layers:  # what compiling leaves: a call of the model in memory, on its device
+        block._compiled_call_impl = lambda *args, **kwargs: pytest.fail("the copy ran the model in memory's call")
+    rng = torch.get_rng_state()
+    assert check_saved(model, str(tmp_path)) == {"model.py": 0.0, "transformers": 0.0}
+    assert torch.equal(torch.get_rng_state(), rng) and model.training and model.backend == "auto"
+    embeddings = model.model.embeddings.tok_embeddings.weight
+    assert model.decoder.weight.dtype == torch.float64 and model.decoder.weight is embeddings  # still tied
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_loss_matches_transformers_with_sparse_prediction(tmp_path):
     hf = hf_checkpoint(tmp_path, SHAPES[0])
     ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
