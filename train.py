@@ -90,6 +90,7 @@ class Config:
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); a CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
+    deterministic: bool = True  # inductor's kernel settings chosen, not timed: --resume repeats bit for bit
     backend: str = "auto"  # attention: auto, or a row of BACKENDS
     ddp_timeout: int = 900  # seconds a process waits for the others before the job stops
 
@@ -372,12 +373,12 @@ def init_processes(given):
     there are others to meet. Returns (rank, world, local_world, device)."""
     timeout = flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout))
     rank, world, local_rank, local_world = cli.processes()
-    device = cli.pick_device(given.get("device", Config.device), local_rank)
+    device = cli.pick_device(given.get("device", Config.device), local_rank, local_world=local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if world > 1:  # device_id: NCCL binds this rank to its GPU now, not at its first collective
-        with cli.rendezvous(rank, world, timeout):
+        with cli.rendezvous(rank, world, timeout, device):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return rank, world, local_world, device
@@ -424,6 +425,7 @@ def setup(given):
     if rank == 0:
         progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
+    kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises
     if cfg.compile and device.type in COMPILERS:
         kernels.compile_blocks(model, COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host

@@ -147,16 +147,27 @@ def process_problem(env, numbers):
 
 
 @contextlib.contextmanager
-def rendezvous(rank, world, timeout, script="train.py"):
-    """Around init_process_group: the others that never came (a complete set of torchrun's variables left in a
-    shell) or a port taken, as one line from each process, never a traceback."""
+def rendezvous(rank, world, timeout, device, script="train.py"):
+    """Around init_process_group, one line from each process, never a traceback. The others that never came (a
+    complete set of torchrun's variables left in a shell) or a port taken: the store's rendezvous failed. NCCL (or
+    gloo) failing to start its communicator on `device` after the rendezvous: its own words, and what to check."""
+    import torch.distributed as dist
     try:
         yield
-    except RuntimeError as e:  # DistNetworkError, DistStoreError
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise InputError(f"rank {rank} of {world} did not meet the others at {os.environ['MASTER_ADDR']}:"
                          f"{os.environ['MASTER_PORT']} within --ddp_timeout={timeout.total_seconds():.0f} s "
                          f"({str(e).splitlines()[0][:160]}); start every process with `torchrun --nproc_per_node=N "
                          f"{script} ...`, or `unset {' '.join(PROCESS_VARIABLES)}` to run one",
+                         every_rank=True) from None
+    except dist.DistBackendError as e:
+        what = "NCCL" if device.type == "cuda" else "gloo"
+        words = " ".join(str(e).split())[:400]
+        check = ("each process on a GPU of its own (--nproc_per_node at most the GPUs in CUDA_VISIBLE_DEVICES), the "
+                 "network interface NCCL picks (NCCL_SOCKET_IFNAME), the driver (nvidia-smi); NCCL_DEBUG=INFO says "
+                 "what NCCL tried") if device.type == "cuda" else \
+            "the network interface gloo picks (GLOO_SOCKET_IFNAME)"
+        raise InputError(f"rank {rank} of {world}: {what} could not start on {device}: {words}. Check {check}",
                          every_rank=True) from None
 
 
@@ -358,10 +369,14 @@ def pick_threads(requested=0, processes=1):
     return max(1, min(usable_cores(), idle) // max(1, processes))
 
 
-def pick_device(requested="auto", local_rank=0, flag="--device"):
+def pick_device(requested="auto", local_rank=0, flag="--device", local_world=1):
     """auto: this process's GPU under torchrun (LOCAL_RANK), else the CPU. A device that is not here is an
-    InputError naming `flag`."""
+    InputError naming `flag`, and so is one GPU named for the `local_world` processes of this machine."""
     import torch
+    if local_world > 1 and str(requested).startswith("cuda:"):  # before a GPU is touched or a process group made
+        raise InputError(f"{flag}={requested} names one device for the {local_world} processes on this machine, "
+                         f"which would all run on it: use {flag}=cuda (each process takes the GPU of its LOCAL_RANK) "
+                         f"or leave it out")
     if requested in (None, "auto"):
         if not torch.cuda.is_available():
             return torch.device("cpu")

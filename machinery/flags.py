@@ -12,7 +12,8 @@ from machinery.cli import MAX_THREADS, InputError
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
-PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout")  # never taken from a saved configuration
+# never taken from a saved configuration
+PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout", "deterministic")
 # What --resume may change besides: nothing that alters the numbers (threads: a smaller machine needs fewer).
 RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads",
              "log_to", "license", "language", "base_model", "hub_id")

@@ -121,7 +121,13 @@ def plan(r, total_steps):
     with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
         backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
-    print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}")
+    kernel = kernels.BACKENDS[backend].kernel()
+    print(f"model: {r.model.num_params():,} parameters, attention: {backend}" + (f" ({kernel})" if kernel else "")
+          + f", blocks {compiled}")
+    caveat = kernels.resume_caveat(backend, r.device, kernels.compiler_is_deterministic())
+    if caveat:  # what --resume can promise on this machine
+        print(f"warning: a --resume of this run continues within rounding, not bit for bit: {caveat}",
+              file=sys.stderr)
     objective = (f"{cfg.objective.upper()}" + (f" at {cfg.mask_rate:.0%}" if r.objective.masked else "") +
                  (", causal mask" if r.objective.causal else ", bidirectional"))
     print(f"recipe {cfg.recipe}, phase {cfg.phase}: {objective}; schedule {cfg.schedule} over "

@@ -202,6 +202,35 @@ def test_one_process_runs_with_torchruns_variables_and_others_are_awaited_with_a
           "rank 1 of 2 did not meet the others at localhost:1 within --ddp_timeout=1 s", "torchrun")
 
 
+@pytest.mark.parametrize("error, words", [
+    (torch.distributed.DistBackendError, ["rank 0 of 2: NCCL could not start on cuda:0: NCCL error in: init.cc:1 "
+                                          "unhandled cuda error", "NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME"]),
+    (torch.distributed.DistStoreError, ["rank 0 of 2 did not meet the others at localhost:29400", "torchrun"])],
+    ids=["nccl", "store"])
+def test_only_the_stores_failures_read_as_a_missed_rendezvous(error, words, environment, monkeypatch, demo_corpus,
+                                                              tmp_path, capsys):
+    """On GPUs (faked): NCCL failing to start its communicator (a driver, a network interface, two ranks on one
+    GPU) passes through in its own words with what to check; only the store's failure says the others never came."""
+    environment(dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **TORCHRUN))
+    monkeypatch.setattr("machinery.cli.pick_device", lambda *args, **kwargs: torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+    def init_process_group(backend, **kwargs):
+        raise error("NCCL error in: init.cc:1 unhandled cuda error\nLast error: more words")
+    monkeypatch.setattr(train.dist, "init_process_group", init_process_group)
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", *SMALL], *words)
+
+
+def test_one_gpu_named_for_several_processes_is_refused(environment, demo_corpus, tmp_path, capsys):
+    """--device=cuda:0 under torchrun with 2 processes on this machine would put both on GPU 0: refused before any
+    GPU is touched or any process group is made (this machine has no GPU: the refusal comes first)."""
+    environment(dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **TORCHRUN))
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", *SMALL, "--device=cuda:0"],
+          "--device=cuda:0 names one device for the 2 processes on this machine", "--device=cuda")
+    assert not (tmp_path / "run").exists()
+
+
 def test_demo_recipe_refuses_a_pretrained_start(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     fails(capsys, [f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'o'}"], "--recipe=demo", "--recipe=paper")
