@@ -61,7 +61,7 @@ class SDPA:
         return "PyTorch's SDPA backward kernels on CUDA add up with atomics" if device.type == "cuda" else None
 
     @staticmethod
-    def kernel():  # the library that computes it, where the backend has a choice
+    def library():  # the library that computes it, where the backend has a choice
         return None
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference=None):
@@ -274,7 +274,7 @@ class Flash:
         return device.type == "cuda" and flash_attn_varlen_func is not None
 
     @staticmethod
-    def kernel():
+    def library():
         return "flash-attn" if flash_attn_varlen_func is not None else "PyTorch's varlen_attn"
 
     @staticmethod

@@ -121,7 +121,7 @@ def plan(r, total_steps):
     with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
         backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
-    kernel = kernels.BACKENDS[backend].kernel()
+    kernel = kernels.BACKENDS[backend].library()
     print(f"model: {r.model.num_params():,} parameters, attention: {backend}" + (f" ({kernel})" if kernel else "")
           + f", blocks {compiled}")
     caveat = kernels.resume_caveat(backend, r.device, kernels.compiler_is_deterministic())

@@ -231,11 +231,11 @@ def test_auto_picks_flash_only_where_its_backward_repeats(monkeypatch):
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
     monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
-    assert kernels.Flash.kernel() == "PyTorch's varlen_attn"
+    assert kernels.Flash.library() == "PyTorch's varlen_attn"
     assert kernels.pick_backend(cuda, "flash", training=True, dtype=bf16) == "flash"
     assert kernels.pick_backend(cuda, training=True, dtype=bf16) == "flex"
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
-    assert kernels.Flash.kernel() == "flash-attn" and kernels.pick_backend(cuda, training=True, dtype=bf16) == "flash"
+    assert kernels.Flash.library() == "flash-attn" and kernels.pick_backend(cuda, training=True, dtype=bf16) == "flash"
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
     monkeypatch.setattr(kernels, "varlen_attn", None)
     with pytest.raises(InputError, match=r"'flash' is not available on cuda: it needs CUDA, and flash-attn or "
