@@ -598,12 +598,16 @@ def format_row(r):
 # train.py runs it today, one lever at a time against it, then ours against transformers at 1,024 tokens.
 ATTENTION = dict(B=4, T=8192, H=12, D=64)
 TODAY = Setting("base", "mlm", 8192, 4, peer=False)
-LEVERS = [("today's step", TODAY), ("--backend=flash", dataclasses.replace(TODAY, backend="flash")),
+LEVERS = [("today's step", TODAY), ("--backend=flex+sdpa", dataclasses.replace(TODAY, backend="flex+sdpa")),
           ("today's step", dataclasses.replace(TODAY, phase="clm")),
-          ("--backend=flash", dataclasses.replace(TODAY, phase="clm", backend="flash")),
+          ("--backend=flex+sdpa", dataclasses.replace(TODAY, phase="clm", backend="flex+sdpa")),
+          ("--backend=flash", dataclasses.replace(TODAY, backend="flash")),
           ("against transformers", Setting("base", "mlm", 1024, 32)),
           ("against transformers", Setting("base", "clm", 1024, 32)),
           ("a bf16 residual stream", dataclasses.replace(TODAY, residual="bf16")),
+          ("flex+sdpa, bf16 residual, 8 a micro-batch", dataclasses.replace(TODAY, backend="flex+sdpa",
+                                                                           residual="bf16", micro=8)),
+          ("--backend=flex+sdpa against transformers", Setting("base", "mlm", 1024, 32, "flex+sdpa")),
           ("inductor times its kernels", dataclasses.replace(TODAY, deterministic=False)),
           ("8 sequences a micro-batch", dataclasses.replace(TODAY, micro=8)),
           ("the whole encoder compiled", dataclasses.replace(TODAY, compile="model"))]

@@ -142,6 +142,32 @@ class Flex(SDPA):
         return fn
 
 
+class FlexSDPA(Flex):
+    """FlexAttention for the local layers, PyTorch's SDPA for the global ones where a row needs no mask (packed
+    windows, no padding, attention across documents, as the paper trains): SDPA then runs a fused kernel of its own
+    (cuDNN's on Hopper), which took 6.3 ms where FlexAttention took 9.5 on a global layer of 4 x 8,192 tokens on an
+    H200 (docs/gpu.md). With padding or documents every layer runs FlexAttention (SDPA would need a dense mask)."""
+    description = "FlexAttention for the local layers, SDPA's fused kernels (cuDNN) for unmasked global ones"
+    needs = "CUDA and PyTorch >= 2.5"
+
+    @staticmethod
+    def auto(device):  # chosen by name only: SDPA's backward on CUDA adds up with atomics (nondeterminism)
+        return False
+
+    nondeterminism = SDPA.nondeterminism
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference=None):
+        super().__init__(B, T, device, causal, window, token_mask, doc_ids, rule=rule, reference=reference)
+        self.unmasked = token_mask is None and doc_ids is None
+
+    def attend(self, q, k, v, local):
+        if local or not self.unmasked:
+            return super().attend(q, k, v, local)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=q.shape[-1] ** -0.5)
+        return y.transpose(1, 2)  # (B, T, H, D)
+
+
 class Reference(SDPA):
     """model.py's reference_attention on SDPA's layout: every (B, H, T, T) score and the whole mask materialised.
     Slow and obvious: what the other backends are tested against; auto never picks it."""
@@ -200,16 +226,22 @@ def compiler_is_deterministic():
     return getattr(inductor, "deterministic", False)
 
 
+# What kill-and-resume has shown on a GPU (docs/gpu.md): one H200, FlexAttention, the smoke recipe's 40 steps.
+GPU_RESUME = ("on a GPU it is not shown to: kill-and-resume on an H200 differed from the uninterrupted run in 5 of 5 "
+              "tries with inductor's deterministic mode (by up to 7.2e-3 after 40 steps) and matched in 1 of 1 "
+              "without it; the cause is not established")
+
+
 def resume_caveat(backend, device, deterministic):
-    """Why a resumed run on `device` would not repeat the uninterrupted one bit for bit, or None where it would:
-    the attention backend's backward (its `repeats`), or, on CUDA where kernels are compiled, inductor timing them
-    (`deterministic`: what deterministic_compiler returned)."""
+    """Why a resumed run on `device` may not repeat the uninterrupted one bit for bit, or None where it does: the
+    attention backend's backward (its `nondeterminism`), inductor timing its compiled kernels (`deterministic`: what
+    deterministic_compiler returned), or, on CUDA, what kill-and-resume has shown there (GPU_RESUME)."""
     why = BACKENDS[backend].nondeterminism(device)
     if why:
         return f"--backend={backend}: {why}"
     if device.type == "cuda" and not deterministic:
         return "inductor times its compiled kernels' settings at first launch (no deterministic mode)"
-    return None
+    return GPU_RESUME if device.type == "cuda" else None
 
 
 def backend_for(model, device):
@@ -338,7 +370,7 @@ class Flash:
 # function changed what it returns and takes between releases, and no Hopper GPU has run it against the SDPA
 # reference here; flash-attn 2 runs on Hopper too, and the tests pin its documented interface.
 # "auto" picks the first available, in this order (never the reference)
-BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA, "reference": Reference}
+BACKENDS = {"flash": Flash, "flex": Flex, "flex+sdpa": FlexSDPA, "sdpa": SDPA, "reference": Reference}
 BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
 
 

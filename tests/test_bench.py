@@ -366,3 +366,33 @@ def test_the_whole_encoder_compiled_holds_the_fp32_step_within_bf16_rounding():
         assert_close_in_bf16(lever_step(model, bf16=True), lever_step(tiny_model().train(), bf16=False), "compiled")
     finally:
         torch._dynamo.reset()
+
+
+def test_the_gpu_figures_in_the_docs_are_the_reports():
+    """docs/gpu.md's figures of 2026-11-28 (the attention kernels, the levers, transformers at 1,024 tokens, the
+    report's minutes) are read from the report gpu-report wrote, cell by cell, never typed from memory."""
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    report = (ROOT / "docs" / "gpu-h200" / "report-2026-11-28.md").read_text()
+    section = docs[docs.index("**The step's levers, measured"):docs.index("**Where that leaves the step.**")]
+    kernels = {(row[0], row[1]): row[2:] for row in table_rows(report, "global") + table_rows(report, "local")}
+    columns = ["flex", "flash", "sdpa", "sdpa: cuDNN", "sdpa: its flash kernel", "sdpa: memory-efficient"]
+    for row in table_rows(section, "global") + table_rows(section, "local"):
+        for kernel, text in zip(columns, row[1:]):
+            if text != "-":  # "9.45 ms, 261.7": the report's ms and TFLOP/s
+                ms, speed = re.fullmatch(r"(?:\(dense mask\) )?([\d.]+) ms, ([\d.]+)", text).groups()
+                assert [ms, speed] == kernels[row[0], kernel], (row[0], kernel, text)
+    levers = {(r[0], r[1]): r for r in table_rows(report, "") if len(r) == 15}
+    names = {"--backend=flash (PyTorch's kernel)": "--backend=flash",
+             "the whole encoder compiled, not each block": "the whole encoder compiled",
+             "inductor times its kernels (no deterministic mode)": "inductor times its kernels"}
+    mine = [r for r in table_rows(section, "") if len(r) == 6 and r[0] != "row"]
+    assert len(mine) == 8
+    for label, phase, speed, mfu, gib, versus in mine:
+        want = levers[names.get(label, label), phase]
+        assert [speed, mfu, gib, versus] == [want[7], want[8], want[9], want[10]], (label, want)
+    for phase, words in (("mlm", "MLM {} against\n{} tokens/s ({})"), ("clm", "CLM {} against {} ({})")):
+        want = levers["against transformers", phase]
+        assert words.format(want[7], want[12], want[13]) in section, phase
+    minutes = re.search(r"`: ([\d.]+) minutes in all", report).group(1)
+    suite = re.search(r"-n 12`: .* in ([\d.]+) min", report).group(1)
+    assert f"**Measured:** {minutes} minutes on an H200 (16 cores), the\nsuite in {suite} of them" in docs
