@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
-                           write_json)
+                           write_json, write_text)
 from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
@@ -454,7 +454,7 @@ def report(out, study, scale, s, stages, plan, R):
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
     rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
     write_json(out / "report.json", finite(rep))
-    (out / "report.md").write_text(render.study_markdown(rep, spec))
+    write_text(out / "report.md", render.study_markdown(rep, spec))
     print(f"report: {out / 'report.md'}, {out / 'report.json'}" + "".join(f", {out / f}" for f in rep["figures"]))
 
 

@@ -419,13 +419,14 @@ def sha256_file(path):
     return digest.hexdigest()
 
 
-def write_json(path, obj):
-    """Write through a temporary file and rename, so a reader never sees half a file."""
+def write_text(path, text):
+    """Write `text` (a string, or an iterable of its pieces: a long file is never held whole) through a temporary
+    file and a rename, so that a reader never sees half a file and a failure midway (a full disk, an error while
+    the pieces are made) leaves the file that was there."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False)
-            f.write("\n")
+            f.writelines([text] if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -433,6 +434,11 @@ def write_json(path, obj):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path, obj):
+    """write_text of obj as indented JSON (strict: no NaN)."""
+    write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 def save(path, obj):
