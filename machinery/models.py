@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from machinery.cli import InputError, read_json, sha256_file
+from machinery.cli import MODEL_FILES, InputError, read_json, sha256_file
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.tokenfiles import load_meta, split_tokens
 from machinery.tokenizer import load_tokenizer
@@ -111,9 +111,9 @@ def distinct_models(paths, model_class, same_ok=()):
     return infos
 
 
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what eval.py reads of a model folder
-
-
-def model_files(infos):
-    """The files eval.py reads of the models inspect_model found (an --out must not be one: cli.check_outputs)."""
-    return [Path(info["dir"]) / name for info in infos for name in MODEL_FILES]
+def model_files(infos, toks):
+    """The files eval.py reads of the models inspect_model found, and the tokenizer files model_tokenizer loaded
+    for them (--tokenizer, or the one a run recorded): an --out must not be one (cli.check_outputs, which also
+    refuses every other file of a model folder)."""
+    tokenizers = [Path(tok.spec) for tok in toks if Path(tok.spec).is_file()]
+    return [Path(info["dir"]) / name for info in infos for name in MODEL_FILES] + tokenizers

@@ -160,9 +160,9 @@ def needle(models, texts, model_class, names=None, lengths=(512, 1024, 2048, 409
             raise InputError(f"{info['path']} has the same weights as {seen[info['sha256']]}; each model and "
                              f"replicate must be a run of its own")
         seen[info["sha256"]] = info["path"]
-    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
-                  [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
+    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
+                  [texts, *model_files(infos, toks)])
     if len({t.fingerprint for t in toks}) > 1:
         raise InputError("the models use different tokenizers; the examples are token sequences, the same for "
                          "every model: run needle once per tokenizer")

@@ -465,6 +465,32 @@ def test_count_windows_is_the_loaders(prepared):
         data.count_windows(prepared, "test", 8)
 
 
+def test_an_out_that_names_a_file_of_a_model_is_refused(tmp_path, capsys):
+    """data.py's outputs never replace a file of a model: a tokenizer over a model folder's tokenizer.json, text
+    over a run's log.jsonl, or a file inside a run's checkpoints. One line each, and every file as it was."""
+    model, run_dir = tmp_path / "model", tmp_path / "run"
+    for folder, names in ((model, ("config.json", "model.safetensors", "tokenizer.json")),
+                          (run_dir, ("run.json", "log.jsonl", "checkpoints/step-00000002/state.json"))):
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(f"the {name} of the model")
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", ["some text", "more text"])
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    cases = [(["tokenizer", "--input", corpus, "--vocab_size", "300", "--out", model / "tokenizer.json"],
+              f"--out={model / 'tokenizer.json'}: it would write {model / 'tokenizer.json'}, a file of the model in "
+              f"{model}; choose another --out"),
+             (["docstrings", "--out", run_dir / "log.jsonl"], f"a file of the model in {run_dir}"),
+             (["code", "--out", tmp_path / "code.jsonl", "--heldout", run_dir / "log.jsonl"],
+              f"--heldout={run_dir / 'log.jsonl'}: it would write {run_dir / 'log.jsonl'}, a file of the model"),
+             (["tokenizer", "--input", corpus, "--vocab_size", "300", "--out", checkpoint / "tok.json"],
+              f"a file inside the checkpoints of the run in {run_dir}")]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv, expected in cases:
+        code, err = run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and expected in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 # ----------------------------------------------------------------------------
 # A loader state comes from a checkpoint's state.json: every field is checked before it is used
 
