@@ -147,7 +147,18 @@ def read_weights(weights_file, expected):
     problems = mismatches(state, expected)
     if problems:
         raise InputError(f"{weights_file} does not match the config: {problems}")
+    check_finite(state, weights_file, "weight")
     return {k: v.float() for k, v in state.items()}
+
+
+def check_finite(tensors, path, what="tensor"):
+    """Every value of `tensors` ({name: tensor}, read from `path`) finite, or an InputError naming the file and the
+    first tensor that is not: a diverged or damaged checkpoint, refused before any step or score is computed on it
+    (the first step would turn every weight into NaN, and the loss check would blame the learning rate)."""
+    bad = next((name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())), None)
+    if bad is not None:
+        raise InputError(f"{path}: {what} {bad} holds NaN or inf (a diverged or damaged checkpoint); nothing can "
+                         f"start from it: take an earlier checkpoint")
 
 
 def mismatches(state, expected):

@@ -841,11 +841,13 @@ def load_moments(moments, checkpoint, device):
     """Adam's moments ({name: (m, v)}, filled in place) from a checkpoint's optimizer.safetensors, whose names must
     be the model's."""
     from safetensors.torch import load_file
+    from machinery.hf import check_finite
     path = os.path.join(checkpoint, OPTIMIZER)
     tensors, want = load_file(path, device=str(device)), set(moment_tensors(moments))
     if set(tensors) != want:
         raise InputError(f"{path} does not match the model: missing {sorted(want - set(tensors))[:5]}, unexpected "
                          f"{sorted(set(tensors) - want)[:5]}")
+    check_finite(tensors, path, "Adam's moment")
     for name, (m, v) in moments.items():
         m.copy_(tensors[f"exp_avg.{name}"])
         v.copy_(tensors[f"exp_avg_sq.{name}"])

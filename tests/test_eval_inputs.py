@@ -203,9 +203,9 @@ def nan_model(inputs):
 
 
 REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trusted
-    ("finetune {nan} --task={task}", "nan: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
-    ("cka {model} {nan} --texts={texts} --n=3", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
-    ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan: weight model.layers.1.mlp.Wo.weight holds"),
+    ("finetune {nan} --task={task}", "nan/model.safetensors: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
+    ("cka {model} {nan} --texts={texts} --n=3", "nan/model.safetensors: weight model.layers.1.mlp.Wo.weight holds"),
+    ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan/model.safetensors: weight model.layers.1.mlp"),
     ("finetune {model} --task={task} --lr=1e30 --epochs=1 --max_len=16 --seeds=1 --out={root}/div.json",
      "the fine-tuning diverged: try a lower --lr than 1e+30"),
     ("finetune {root}/badweights --task={task}", "model.safetensors: not a readable safetensors file"),

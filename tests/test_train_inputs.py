@@ -228,6 +228,22 @@ def edit_json(name, change):
     return edit
 
 
+def poison(name, key, value=float("nan")):
+    """Write `value` into one element of tensor `key` of a safetensors file, its size and header unchanged (the
+    size a checkpoint's state.json lists still holds)."""
+    def edit(folder):
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+        path = folder / name
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata()
+        tensors, size = load_file(path), path.stat().st_size
+        tensors[key].view(-1)[3] = value
+        save_file(tensors, path, metadata=metadata)
+        assert path.stat().st_size == size
+    return edit
+
+
 BAD_RUNS = [
     ("truncated model", truncate("model.safetensors"), ["model.safetensors", "bytes"]),
     ("truncated optimizer", truncate("optimizer.safetensors"), ["optimizer.safetensors", "bytes"]),
@@ -254,6 +270,33 @@ def test_broken_start_run_is_named(name, edit, words, run_dir, demo_corpus, tmp_
     fails(capsys, [f"--init_from={start}", f"--out_dir={tmp_path / 'out'}", "--phase=decay", *SMALL], *words,
           str(start))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("start", ["handoff", "weights", "resume", "hugging face"])
+def test_a_checkpoint_that_holds_nan_or_inf_is_refused_before_any_step(start, run_dir, demo_corpus, tmp_path, capsys):
+    """A weight or one of Adam's moments that is NaN or inf (a damaged file, a run of another trainer) is refused as
+    it is read, naming the file and the tensor: never blamed on the learning rate after a step that poisons every
+    weight. Every way a run takes weights or moments from a checkpoint."""
+    weight = "model.layers.1.mlp.Wo.weight"
+    moment = "exp_avg_sq.model.layers.0.attn.Wqkv.weight"
+    copy = copy_run(run_dir, tmp_path, poison("optimizer.safetensors", moment, float("inf")))
+    common = [f"--out_dir={tmp_path / 'out'}", *SMALL, f"--tokens={STEP_TOKENS}"]
+    argv = {"handoff": [f"--init_from={copy}", "--phase=decay", *common],
+            "weights": [f"--init_from={copy}", "--weights_only", "--phase=clm", f"--data={demo_corpus}", *common],
+            "resume": ["--resume", f"--out_dir={copy}", f"--tokens={3 * STEP_TOKENS}"],
+            "hugging face": [f"--init_from={copy}", "--recipe=paper", f"--data={demo_corpus}", *common]}[start]
+    if start in ("handoff", "resume"):  # they take the moments too: the inf moment first, then the weights
+        fails(capsys, argv, f"{newest(copy) / 'optimizer.safetensors'}: Adam's moment {moment} holds NaN or inf")
+        poison("optimizer.safetensors", moment, 1.0)(newest(copy))
+    if start == "hugging face":  # the top-level copy: a Hugging Face folder's model.safetensors
+        shutil.rmtree(copy / "checkpoints")
+        (copy / "run.json").unlink()
+        poison("model.safetensors", weight)(copy)
+        fails(capsys, argv, f"{copy / 'model.safetensors'}: weight {weight} holds NaN or inf")
+    else:
+        poison("model.safetensors", weight)(newest(copy))
+        fails(capsys, argv, f"{newest(copy) / 'model.safetensors'}: weight {weight} holds NaN or inf")
+    assert "step 1" not in capsys.readouterr().out and not (tmp_path / "out" / "checkpoints").exists()
 
 
 # A Hugging Face directory (no run of ours) with broken files: the file itself is named.
