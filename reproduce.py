@@ -43,7 +43,6 @@ place, because re-running would delete the finished runs of the first command, a
 """
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from pathlib import Path
 
 from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
                            write_json, write_text)
+from machinery.hf import hub_id_problem
 from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
@@ -645,9 +645,6 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
 def check_inputs(a):
     """Every input before anything runs: one InputError listing all that is wrong."""
     problems = []
@@ -676,8 +673,9 @@ def check_inputs(a):
         missing = [f for f in ("config.json", "tokenizer.json") if not (Path(a.start) / f).is_file()]
         if missing:
             problems.append(f"--start={a.start}: not a model directory (no {' or '.join(missing)})")
-    elif a.start is not None and not HUB_ID.fullmatch(a.start):
-        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name)")
+    elif a.start is not None and hub_id_problem(a.start):
+        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name: "
+                        f"{hub_id_problem(a.start)})")
     if problems:
         raise InputError("; ".join(problems))
     check_contents(a)

@@ -14,6 +14,7 @@ import torch
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, launcher
 from machinery.curves import run_dir_of, saved_config
+from machinery.hf import hub_id_problem
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -404,10 +405,11 @@ def license_lines(cfg):
 def base_model(init_from, state):
     """The card's base model where --base_model names none: the one of the run of ours we start from (`state`:
     its checkpoint's), or --init_from's hub id; none for a fresh model or a local directory, whose hub id is
-    unknown."""
+    unknown, nor for what is no hub id (a path that is not there: --init_from says so)."""
     if state is not None:
         return state["config"].get("base_model", "")  # none in a checkpoint written before it existed
-    return "" if init_from == "scratch" or os.path.isdir(init_from) else init_from
+    local = init_from == "scratch" or os.path.isdir(init_from) or hub_id_problem(init_from)
+    return "" if local else init_from
 
 
 def yaml_lines(meta):

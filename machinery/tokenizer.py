@@ -23,6 +23,7 @@ import numpy as np
 import tiktoken
 
 from machinery.cli import InputError, read_json, usable_cores, write_text
+from machinery.hf import hub_id_problem
 
 # Hugging Face's ByteLevel pre-tokenizer splits with the GPT-2 pattern.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -258,7 +259,7 @@ def load_tokenizer(spec):
     if spec == "bytes":
         return Tokenizer(bytes_config(), spec)
     path = Path(spec)
-    if not path.exists() and not spec.endswith(".json") and spec.count("/") == 1:
+    if not path.exists() and not spec.endswith(".json") and not hub_id_problem(spec):
         try:
             from huggingface_hub import hf_hub_download
             path = Path(hf_hub_download(spec, "tokenizer.json"))

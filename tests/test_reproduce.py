@@ -388,6 +388,8 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", out, "--gpus=0"], "--gpus: expected at least 1, got 0"),
         (["--scale=smoke", out, "--replicates=0"], "--replicates: expected at least 1, got 0"),
         (["--scale=smoke", out, "--start=/nonexistent", "--dry_run"], "--start=/nonexistent: not found"),
+        (["--scale=smoke", out, "--start=org/..", "--dry_run"], "--start=org/..: not found (expected a model "
+                                                                 "directory or a hub id like org/name: '..' is not"),
         (["--scale=smoke", out, f"--start={tmp_path / 'empty'}"], "not a model directory (no config.json"),
         (["--scale=smoke", "--study=biphasic", out, f"--start={tmp_path / 'empty'}"], "trains from scratch"),
         (["--scale=smoke", out, f"--corpus={tmp_path / 'none.jsonl'}"], "none.jsonl: not found"),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -128,6 +129,14 @@ BAD_FLAGS = [
     (["--language=English"], ["--language='English'", "en,de"]),
     (["--base_model=a/b/c"], ["--base_model='a/b/c'", "hub id"]),
     (["--hub_id=mymodel"], ["--hub_id='mymodel'", "USER/NAME"]),  # the card's "Use" loads it from the hub
+    # ids the hub refuses (huggingface_hub's validate_repo_id, test_hub_ids_are_those_the_hub_takes): never in a card
+    (["--hub_id=../.."], ["--hub_id='../..'", "USER/NAME", "'..' is not a name the hub takes"]),
+    (["--hub_id=./model"], ["--hub_id='./model'", "'.' is not a name the hub takes"]),
+    (["--hub_id=me/model.git"], ["--hub_id='me/model.git'", "ending in .git"]),
+    (["--hub_id=me/a..b"], ["--hub_id='me/a..b'", "no '--' or '..'"]),
+    (["--hub_id=me/" + "m" * 97], ["--hub_id='me/mmm", "1 to 96 ASCII letters"]),
+    (["--hub_id=me/modèle"], ["--hub_id='me/modèle'", "'modèle' is not a name the hub takes"]),
+    (["--base_model=a/.."], ["--base_model='a/..'", "hub id", "'..' is not a name"]),
     # accepted by the flags, beyond what a checkpoint holds (integers below 2**62, strings of 4,096 characters):
     # refused before the first step, not at the first save after it (--max_steps: a step that would be lost)
     (["--tokens=5e18", "--max_steps=1"], ["--tokens=5000000000000000000", "a checkpoint cannot hold it",
@@ -150,6 +159,38 @@ def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_
     out = tmp_path / "out"
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
     assert not (out / "model.safetensors").exists()
+
+
+def test_hub_ids_are_those_the_hub_takes():
+    """--hub_id and --base_model (and every other place a hub id is checked: hf.hub_id_problem) take what the hub
+    takes, and nothing else: huggingface_hub's own validate_repo_id is the oracle, on ids at its rules' edges and on
+    6,000 random ones. --hub_id needs a namespace (USER/NAME: a name alone loads another repository)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from machinery.hf import hub_id_problem
+
+    def hub_takes(text):
+        try:
+            validate_repo_id(text)
+            return True
+        except HFValidationError:
+            return False
+    rng = np.random.default_rng(0)
+    alphabet = list("ab_Z9.-/") + ["é", " ", "~"]
+    edges = ["a/b", "a", "_a/b_", "./x", "a/.", "a/..", "..", ".", "-a/b", "a/-b", "a/b.", "a/b-", "a--b/c", "a/b.git",
+             "a/b.gitx", "1/2", "a b/c", "a/b/c", "/a", "a/", "", "a" * 96 + "/b", "a/" + "b" * 96, "a/" + "b" * 97,
+             "answerdotai/ModernBERT-base", "bert-base-uncased", "日本/x"]
+    texts = edges + ["".join(rng.choice(alphabet, rng.integers(1, 9))) for _ in range(6000)]
+    assert 500 < sum(map(hub_takes, texts)) < 5000  # the random ids hold both kinds
+    for text in texts:
+        assert (hub_id_problem(text, namespace=False) is None) == hub_takes(text), text
+        assert (hub_id_problem(text) is None) == (hub_takes(text) and "/" in text), text
+
+
+def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(demo_corpus, tmp_path, capsys):
+    """The card's base model is --init_from's hub id only where it is one: a path that is not there is an error of
+    --init_from, never of a --base_model the user did not give."""
+    fails(capsys, ["--recipe=paper", "--init_from=./missing", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
+          "--init_from=./missing: ./missing: no such directory")
 
 
 # torchrun's variables left in a shell, or written by hand: (environment, words of the one line). Each is refused
