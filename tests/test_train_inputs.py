@@ -377,6 +377,28 @@ def test_broken_data_is_named(name, change, words, demo_corpus, tmp_path, capsys
     assert not (tmp_path / "out" / "hostname").exists()
 
 
+def test_a_resume_reads_the_tokens_the_run_read(demo_corpus, tmp_path, capsys):
+    """A token file overwritten in place with other tokens of the same size before --resume is refused, naming the
+    file (its fingerprint in meta.json); so is the data prepared again with other tokens, meta.json and all (the
+    fingerprint the checkpoint holds). The tokens put back, the run goes on."""
+    from machinery.tokenfiles import file_digest
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    shutil.copytree(demo_corpus, corpus)
+    train.main([f"--data={corpus}", f"--out_dir={out}", *SMALL, f"--tokens={3 * STEP_TOKENS}", "--max_steps=1"])
+    kept = (corpus / "train.bin").read_bytes()
+    tokens = np.frombuffer(kept, np.uint16)
+    np.random.default_rng(0).permutation(tokens).tofile(corpus / "train.bin")  # in place: the same inode and size
+    fails(capsys, ["--resume", f"--out_dir={out}"], f"{corpus / 'train.bin'}: not the tokens data.py prepare wrote")
+    meta = json.loads((corpus / "meta.json").read_text())
+    meta["splits"]["train"]["sample_sha256"] = file_digest(corpus / "train.bin", "uint16", len(tokens))
+    (corpus / "meta.json").write_text(json.dumps(meta))  # as a prepare of these tokens would write it
+    fails(capsys, ["--resume", f"--out_dir={out}"], "state.json: loader: the run read other tokens than",
+          str(corpus / "train.bin"))
+    shutil.copytree(demo_corpus, corpus, dirs_exist_ok=True)
+    train.main(["--resume", f"--out_dir={out}"])
+    assert newest(out).name == "step-00000003"
+
+
 def test_a_started_model_keeps_its_architecture_and_records_it(run_dir, demo_corpus, tmp_path, capsys):
     """--preset with --init_from: another architecture is refused (the weights have their shape), the same one is
     accepted; a start from a checkpoint records the preset its shape has, not the recipe's. A hand-off keeps the
