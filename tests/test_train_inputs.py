@@ -696,3 +696,23 @@ def test_a_stalled_rank_ends_the_job_with_a_message(demo_corpus, tmp_path):
     out = job.stdout.read()
     job.wait()
     assert job.returncode != 0 and "error: rank 0: another process did not answer within --ddp_timeout" in out
+
+
+def test_a_hand_off_killed_before_its_first_checkpoint_logs_its_step_0_once(run_dir, tmp_path, monkeypatch, capsys):
+    """Killed in its first save, a hand-off leaves a run with no checkpoint, whose log holds its step-0 validation
+    and its first steps: the rerun starts the run over, log and all, so that its log, curve and card hold each
+    step once, as a run never killed does."""
+    argv = [f"--init_from={run_dir}", "--phase=decay", *with_small("--save_interval=1"), f"--tokens={2 * STEP_TOKENS}"]
+    train.main([*argv, f"--out_dir={tmp_path / 'straight'}"])
+    out = tmp_path / "decay"
+    with monkeypatch.context() as patch:
+        arm_kill(rundir, "_fsync", patch, 1, 1)  # inside the first save: no checkpoint yet
+        killed([*argv, f"--out_dir={out}"])
+    assert RunDir.open(str(out)).latest_state() is None
+    assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "val_mlm" in r] == [0]
+    train.main([*argv, f"--out_dir={out}"])
+
+    def steps(run):
+        return [(r["step"], "val_mlm" in r) for r in map(json.loads, open(run / "log.jsonl"))]
+    assert steps(out) == steps(tmp_path / "straight") == [(0, True), (1, False), (2, False), (2, True)]
+    assert capsys.readouterr().out.count("decay step 0 (before the first step)") == 3
