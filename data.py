@@ -36,8 +36,8 @@ from machinery import datacli
 from machinery.cli import InputError, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, publish, tokenize, worker_count,
                                workspace, write_documents)
-from machinery.tokenfiles import (check_same_tokens, check_tokenizer, file_digest, load_meta,  # noqa: F401
-                                  split_tokens)  # (check_tokenizer: train.py's data.check_tokenizer)
+from machinery.tokenfiles import check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
+from machinery.tokenfiles import check_same_tokens, file_digest
 from machinery.tokenizer import Tokenizer, is_int, load_tokenizer
 
 
