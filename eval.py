@@ -144,8 +144,8 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
     pool = read_texts(texts, n)  # at least n, and 3 distinct: of 2 texts CKA is 1 whatever the models
     paths = [*a_runs, *b_runs, *controls]
     infos = distinct_models(paths, ModernBERT, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
-    check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
+    check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos, toks)])
     device = pick_device(device)
     draws = {s: np.random.default_rng(s).choice(len(pool), n, replace=False) for s in seeds}
     union = np.unique(np.concatenate(list(draws.values())))  # each text through each model once
@@ -589,10 +589,11 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     contents and the code that fine-tunes: a later call reuses exactly the pairs whose inputs did
     not change."""
     tasks = read_tasks(tasks, seeds)  # every input error surfaces before any training
-    check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds")])
     splits = {t["name"]: carve_dev(t, dev_min) for t in tasks}  # a bad --dev_min ends here too
     info = inspect_model(model, ModernBERT)
     tok = model_tokenizer(info, tokenizer)
+    check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds"),
+                                   *model_files([info], [tok])])
     device, seed_dir = pick_device(device), seed_folder(out)  # a folder that cannot be written: here
     base = load_weights(info, device)
     s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)

@@ -43,14 +43,15 @@ place, because re-running would delete the finished runs of the first command, a
 """
 import json
 import math
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
-                           write_json)
+                           write_json, write_text)
+from machinery.hf import hub_id_problem
+from machinery.planfiles import read_components  # a report's variance components, checked field by field
 from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
@@ -368,21 +369,6 @@ def start_tokenizer(start):
 # sets (machinery/compare.py: `project`, `needed`).
 
 
-def read_components(path):
-    """{task: [variance components of each fine-tuning difference]} of a report.json reproduce.py wrote."""
-    rep = read_json(path, "a report.json of reproduce.py")
-    found = {}
-    for comparison in (rep.get("finetune") or {}).values() if isinstance(rep, dict) else ():
-        for task, t in comparison.get("tasks", {}).items():
-            for row in t["arms"].values():
-                if isinstance(row.get("difference"), dict) and row["difference"].get("components"):
-                    found.setdefault(task, []).append(row["difference"]["components"])
-    if not found:
-        raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
-                         f"them, or one without fine-tuning); name a report.json of this version")
-    return rep, found
-
-
 def power_plan(a, s):
     """Print, per task, the difference this plan would detect with 80% power (the mean of the source report's
     components over its compared arms, and the range over them), and with --detect what would reach that."""
@@ -454,7 +440,7 @@ def report(out, study, scale, s, stages, plan, R):
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
     rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
     write_json(out / "report.json", finite(rep))
-    (out / "report.md").write_text(render.study_markdown(rep, spec))
+    write_text(out / "report.md", render.study_markdown(rep, spec))
     print(f"report: {out / 'report.md'}, {out / 'report.json'}" + "".join(f", {out / f}" for f in rep["figures"]))
 
 
@@ -625,7 +611,8 @@ def parse(argv):
                         "needs 3)")
     parser.add_argument("--out", required=True, help="the experiment directory (plan, runs, logs, report); new, "
                         "empty, or made by this same command")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="stages run side by side (CPU: one per core)")
+    parser.add_argument("--jobs", type=positive_int, default=None, help="stages run side by side (CPU: one per core; "
+                        "default: 1)")
     parser.add_argument("--gpus", type=positive_int, default=None, help="processes per training, through torchrun "
                         "when more than 1 (default: the GPUs present at --scale=paper, else 1)")
     parser.add_argument("--start", default=None, help="detour: the start checkpoint, a model directory or a hub id "
@@ -645,12 +632,19 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What one mode reads and the other does not: given to the other, a flag would be ignored without a word.
+DRY_RUN_ONLY = {"components": "the report whose variance components the plan is projected with",
+                "detect": "the difference the plan should detect"}
+RUN_ONLY = {"jobs": "stages run side by side"}
 
 
 def check_inputs(a):
     """Every input before anything runs: one InputError listing all that is wrong."""
-    problems = []
+    other = RUN_ONLY if a.dry_run else DRY_RUN_ONLY  # the flags this mode does not read
+    how = "is read by a run alone ({}): --dry_run runs nothing; leave it out" if a.dry_run else \
+        "is read by --dry_run alone ({}): add --dry_run to see it, or leave it out of a run"
+    problems = [f"--{flag}={getattr(a, flag)} {how.format(what)}" for flag, what in other.items()
+                if getattr(a, flag) is not None]
     for i, c in enumerate(a.corpus):
         p = Path(c)
         if not p.is_file() or p.suffix not in (".jsonl", ".txt", ".parquet"):
@@ -676,8 +670,9 @@ def check_inputs(a):
         missing = [f for f in ("config.json", "tokenizer.json") if not (Path(a.start) / f).is_file()]
         if missing:
             problems.append(f"--start={a.start}: not a model directory (no {' or '.join(missing)})")
-    elif a.start is not None and not HUB_ID.fullmatch(a.start):
-        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name)")
+    elif a.start is not None and hub_id_problem(a.start):
+        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name: "
+                        f"{hub_id_problem(a.start)})")
     if problems:
         raise InputError("; ".join(problems))
     check_contents(a)
@@ -714,8 +709,8 @@ def main(argv=None):
     check_inputs(a)
     scales, plan_of = STUDIES[a.study]
     s, out = scales[a.scale], Path(a.out).resolve()
-    a.nproc = a.gpus or (gpu_count() if a.scale == "paper" else 1) or 1
-    if a.gpus and not a.dry_run and 0 < gpu_count() < a.gpus:
+    a.nproc, a.jobs = a.gpus or (gpu_count() if a.scale == "paper" else 1) or 1, a.jobs or 1
+    if a.gpus and 0 < gpu_count() < a.gpus:  # a dry run too: it checks what the run would meet
         raise InputError(f"--gpus={a.gpus}: this machine has {gpu_count()} GPU(s)")
     a.corpus, a.tasks = [Path(c).resolve() for c in a.corpus], [Path(t).resolve() for t in a.tasks]
     if a.start and Path(a.start).exists():  # stages run from the repository root

@@ -433,7 +433,7 @@ def setup(given):
     if run_dir:
         run_dir.trim_log(phase_step)  # the log holds exactly the steps of the checkpoint we start from
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
-                                dataclasses.asdict(cfg), phase_step + 1)
+                                dataclasses.asdict(cfg), phase_step + 1 if STARTS[how].phase else 0)  # logged anew
     return progress.Run(cfg=cfg, how=how, model=model, ddp_model=ddp_model, optimizer=optimizer, loader=loader,
                         objective=data.OBJECTIVES[cfg.objective], frozen=frozen, meta=meta, tokenizer=tokenizer,
                         run_dir=run_dir, tracker=tracker, device=device, rank=rank, world=world,

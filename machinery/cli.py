@@ -237,10 +237,33 @@ def same_file(a, b):
         return False
 
 
+# A model folder's files (Hugging Face's, and those of a run of train.py): a result written over one of them leaves
+# a model that no longer loads, is no longer the model trained, or has lost its card or its log (a run's loss.png
+# is not among them: any save or `python -m machinery.curves RUN` draws it again).
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "README.md", "run.json", "log.jsonl")
+
+
+def model_of(path):
+    """What `path` would overwrite of a model, in words, or None: a file of MODEL_FILES that is there, in a folder
+    holding config.json and model.safetensors or a run of train.py (its run.json); anything inside a run's
+    checkpoints/."""
+    path = Path(os.path.abspath(path))
+    run = next((f.parent for f in path.parents if f.name == "checkpoints" and (f.parent / "run.json").is_file()),
+               None)
+    if run is not None:
+        return f"a file inside the checkpoints of the run in {run}"
+    folder = path.parent
+    is_model = (folder / "run.json").is_file() or all((folder / n).is_file() for n in MODEL_FILES[:2])
+    return f"a file of the model in {folder}" if path.name in MODEL_FILES and os.path.lexists(path) and is_model \
+        else None
+
+
 def check_outputs(flag, outputs, reads):
     """The files a command writes (`outputs`: the one `flag` names, then those written beside it), checked before
     any compute: none is a folder, none is a file the command reads (`reads`: an --out naming the held-out texts
-    would replace them with the result), no two are one file, and each can be written (its folder is made)."""
+    would replace them with the result) or a file of a model (model_of), no two are one file, and each can be
+    written (its folder is made)."""
     given = outputs[0] if outputs else None
     for i, path in enumerate(map(Path, outputs)):
         what = "it" if i == 0 else f"{path}, written beside it,"
@@ -250,6 +273,9 @@ def check_outputs(flag, outputs, reads):
         if read is not None:
             raise InputError(f"{flag}={given}: {what} would overwrite {read}, which this command reads; choose "
                              f"another {flag}")
+        model = model_of(path)
+        if model is not None:
+            raise InputError(f"{flag}={given}: {what} would write {path}, {model}; choose another {flag}")
         if any(same_file(path, other) for other in outputs[:i]):
             raise InputError(f"{flag}={given}: the command also writes {path} beside it, the same file; choose "
                              f"another {flag}")
@@ -434,13 +460,14 @@ def sha256_file(path):
     return digest.hexdigest()
 
 
-def write_json(path, obj):
-    """Write through a temporary file and rename, so a reader never sees half a file."""
+def write_text(path, text):
+    """Write `text` (a string, or an iterable of its pieces: a long file is never held whole) through a temporary
+    file and a rename, so that a reader never sees half a file and a failure midway (a full disk, an error while
+    the pieces are made) leaves the file that was there."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False)
-            f.write("\n")
+            f.writelines([text] if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -448,6 +475,11 @@ def write_json(path, obj):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path, obj):
+    """write_text of obj as indented JSON (strict: no NaN)."""
+    write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 def save(path, obj):

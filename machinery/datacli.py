@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, usable_cores
+from machinery.cli import InputError, Parser, check_outputs, usable_cores
 from machinery.prepare import (HELD_OUT_EVERY, find_sources, make_writable_dir, read_documents, write_code,
                                write_docstrings, write_file)
 from machinery.tokenfiles import SPLITS, load_meta, split_tokens
@@ -65,6 +65,7 @@ def train_tokenizer(inputs, vocab_size, out, field="text"):
     if out.suffix != ".json" or out.is_dir():
         raise InputError(f"--out={out}: expected the path of a .json file to write")
     make_writable_dir(out.parent, out)
+    check_outputs("--out", [out], files)  # never an input, nor a file of a model
     texts = (text for f in files for text in read_documents(f, field))
     tokenizer, counts = learn_bpe(texts, vocab_size, out)
     write_file(out, tokenizer.hf_files["tokenizer.json"])

@@ -9,6 +9,7 @@ import os
 import re
 
 from machinery.cli import MAX_THREADS, InputError
+from machinery.hf import hub_id_problem
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
@@ -167,10 +168,12 @@ def check(cfg, allowed, world):
          f"--license={cfg.license!r}: expected a Hugging Face license id such as apache-2.0, mit or cc-by-4.0"),
         (re.fullmatch(r"([a-z]{2,3}(-[A-Za-z0-9]+)*(,[a-z]{2,3}(-[A-Za-z0-9]+)*)*)?", cfg.language),
          f"--language={cfg.language!r}: expected language codes such as en or en,de"),
-        (re.fullmatch(r"([\w.\-]+(/[\w.\-]+)?)?", cfg.base_model),
-         f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base"),
-        (re.fullmatch(r"([\w.\-]+/[\w.\-]+)?", cfg.hub_id),
-         f"--hub_id={cfg.hub_id!r}: expected the hub repository to publish to, USER/NAME"),
+        (not cfg.base_model or not hub_id_problem(cfg.base_model, namespace=False),
+         f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base "
+         f"({hub_id_problem(cfg.base_model, namespace=False)})"),
+        (not cfg.hub_id or not hub_id_problem(cfg.hub_id),
+         f"--hub_id={cfg.hub_id!r}: expected the hub repository to publish to, USER/NAME "
+         f"({hub_id_problem(cfg.hub_id)})"),
     ]
     for ok, message in rules:
         if not ok:

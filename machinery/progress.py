@@ -7,13 +7,14 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, launcher
 from machinery.curves import run_dir_of, saved_config
+from machinery.hf import hub_id_problem
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -62,6 +63,7 @@ class Run:
     schedule_start: int  # tokens of the schedule run before this phase
     history: list  # the runs this one continues: [{phase, tokens, dir}]
     code: dict  # the code version, saved with every checkpoint
+    wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -270,15 +272,19 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
         return
     every = validations(r.run_dir.log_path)
     val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
+    card = "README.md" if written(r, "README.md") else "no model card: it failed (the warning above says why)"
+    picture = f"{out}/loss.png (picture) and " if written(r, "loss.png") else ""
     print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.phase_step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
           f"CLM {val.get('val_clm', float('nan')):.4f}"
           + (f" (before its first step: MLM {start['val_mlm']:.4f}, CLM {start['val_clm']:.4f})"
              if start and start is not val else "") + "\n"
           f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
-          f"README.md)\n"
-          f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"
-          + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out)) +
+          f"{card})\n"
+          f"its losses: {picture}{out}/log.jsonl" + ("" if picture else f" (no picture: the loss picture was not "
+                                                                       f"drawn at the last save, see above; python "
+                                                                       f"-m machinery.curves {out} draws it)") + "\n"
+          + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out, r.tracker.failed)) +
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
     for label, line, why in hints:
@@ -291,11 +297,20 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
 
 def saved(r, learning_rate):
     """After a checkpoint: the loss picture and the model card, side jobs (a failure is a warning, the checkpoint is
-    written already), and the line that says so."""
+    written already; r.wrote says which were written, so that the card and the summary name no file that failed),
+    and the line that says so."""
     from machinery.curves import draw_run
-    cli.side_job("the loss picture", draw_run, r.run_dir.path)
-    cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
+    drawn = []  # draw_run's path, or None without matplotlib
+    r.wrote["loss.png"] = cli.side_job("the loss picture", lambda: drawn.append(draw_run(r.run_dir.path))) and \
+        drawn[0] is not None
+    r.wrote["README.md"] = cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
     print(f"saved {r.run_dir.path} at step {r.phase_step}")
+
+
+def written(r, name):
+    """Whether the run's `name` (loss.png, README.md) is there as its last save made it: what that save's side job
+    did, or, in an invocation that saved nothing, whether the file is there."""
+    return r.wrote.get(name, os.path.isfile(os.path.join(r.cfg.out_dir, name)))
 
 
 def finish(r, total_steps, stopped_by, elapsed, learning_rate):
@@ -348,8 +363,10 @@ def card(r, learning_rate):
     lines += ["", *use(cfg), "", *intended_use(r, chain, val), "", *license_lines(cfg), "", "## Continue", "",
               *(["```bash", *(f"{line}   # {why}" for _, line, why in hints), "```"] if hints else
                 ["Nothing: the recipe ends with this phase."]), "",
-              "`log.jsonl` holds every step's record, `loss.png` draws them; `checkpoints/` (with the optimizer "
-              "state) is what `--resume` reads, not needed to use the model.", "",
+              "`log.jsonl` holds every step's record" + (", `loss.png` draws them" if written(r, "loss.png") else
+                                                          " (`python -m machinery.curves` draws them)")
+              + "; `checkpoints/` (with the optimizer state) is what `--resume` reads, not needed to use the model.",
+              "",
               "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]
     return "\n".join(lines)
 
@@ -410,10 +427,11 @@ def license_lines(cfg):
 def base_model(init_from, state):
     """The card's base model where --base_model names none: the one of the run of ours we start from (`state`:
     its checkpoint's), or --init_from's hub id; none for a fresh model or a local directory, whose hub id is
-    unknown."""
+    unknown, nor for what is no hub id (a path that is not there: --init_from says so)."""
     if state is not None:
         return state["config"].get("base_model", "")  # none in a checkpoint written before it existed
-    return "" if init_from == "scratch" or os.path.isdir(init_from) else init_from
+    local = init_from == "scratch" or os.path.isdir(init_from) or hub_id_problem(init_from)
+    return "" if local else init_from
 
 
 def yaml_lines(meta):

@@ -388,6 +388,8 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", out, "--gpus=0"], "--gpus: expected at least 1, got 0"),
         (["--scale=smoke", out, "--replicates=0"], "--replicates: expected at least 1, got 0"),
         (["--scale=smoke", out, "--start=/nonexistent", "--dry_run"], "--start=/nonexistent: not found"),
+        (["--scale=smoke", out, "--start=org/..", "--dry_run"], "--start=org/..: not found (expected a model "
+                                                                 "directory or a hub id like org/name: '..' is not"),
         (["--scale=smoke", out, f"--start={tmp_path / 'empty'}"], "not a model directory (no config.json"),
         (["--scale=smoke", "--study=biphasic", out, f"--start={tmp_path / 'empty'}"], "trains from scratch"),
         (["--scale=smoke", out, f"--corpus={tmp_path / 'none.jsonl'}"], "none.jsonl: not found"),
@@ -401,6 +403,13 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={tmp_path / 'notes'}"], "holds no plan.json"),
         (["--scale=smoke", f"--out={tmp_path / 'badplan'}"], "not valid JSON"),
         (["--scale=smoke", "--scale=cpu", out], "--scale is given twice"),
+        # a flag the other mode reads alone is refused, never ignored; a dry run meets what the run would
+        (["--scale=smoke", out, "--detect=2"], "--detect=2.0 is read by --dry_run alone (the difference the plan"),
+        (["--scale=smoke", out, f"--components={tmp_path / 'file'}"], "--components="),
+        (["--scale=smoke", out, "--jobs=2", "--dry_run"], "--jobs=2 is read by a run alone (stages run side by side)"),
+        (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}", "--dry_run"], "cannot write there"),
+        (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}"], "cannot write there"),
+        (["--scale=smoke", f"--out={read_only(tmp_path)}/exp", "--dry_run"], "cannot write there"),
         (["--scale=smoke", out, "--epochs=3"], "unrecognized arguments: --epochs=3"),
         (["--scale=smoke"], "the following arguments are required: --out"),
     ]
@@ -411,6 +420,109 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         assert status == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, (args, err)
         assert stdout == "", (args, stdout)
     assert not (tmp_path / "exp").exists() and os.listdir(tmp_path / "notes") == ["README.md"]
+
+
+def read_only(tmp):
+    """A folder this process cannot write in: chmod is no obstacle to root, sysfs is."""
+    if os.geteuid() == 0:
+        return "/sys"
+    (tmp / "ro").mkdir()
+    (tmp / "ro").chmod(0o555)
+    return tmp / "ro"
+
+
+def test_a_dry_run_checks_the_gpus_as_the_run_does(tmp_path, capsys, monkeypatch):
+    import reproduce
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 2)
+    for mode in ([], ["--dry_run"]):
+        status, _, err = in_process(capsys, "--scale=smoke", f"--out={tmp_path / 'exp'}", "--gpus=4", *mode)
+        assert status == 2 and err == "error: --gpus=4: this machine has 2 GPU(s)\n", err
+    assert not (tmp_path / "exp").exists()
+
+
+def report_with(components=None, **changes):
+    """A report.json as reproduce.py writes it, one difference's components in it, with `changes` to its path."""
+    components = components if components is not None else dict(
+        replicates=3, seeds=2, examples=940, replicate_var=2e-4, seed_var=4e-4, example_var=0.05, seeds_inside=False)
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}
+    for path, value in changes.items():
+        *parents, last = path.split("/")
+        node = rep
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return rep
+
+
+C = "finetune['t'].tasks['ncbi_disease'].arms['clm'].difference.components"
+BAD_COMPONENTS = [  # (the report.json, as text or as an object; what its one error line says)
+    ("[1, 2]", "(top level): expected an object, got list"),
+    (report_with(finetune=[1]), "finetune: expected an object, got list"),
+    (report_with(**{"finetune/t": "x"}), "finetune['t'].tasks: expected an object, got NoneType None"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease": {"arms": [1]}}),
+     "finetune['t'].tasks['ncbi_disease'].arms: expected an object, got list"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm": "x"}), "arms['clm']: expected an object whose"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm": {"difference": 3}}), "arms['clm']: expected an"),
+    (report_with([1]), f"{C}: expected an object, got list"),
+    (report_with({}), f"{C}.replicates: missing"),
+    (report_with(dict(report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"][
+        "components"], example_var="0.05")), f"{C}.example_var: expected a finite number >= 0, got str '0.05'"),
+    ('{"finetune": {"t": {"tasks": {"n": {"arms": {"a": {"difference": {"components": {"replicates": 3, "seeds": 2, '
+     '"examples": 9, "replicate_var": NaN}}}}}}}}}',
+     "finetune['t'].tasks['n'].arms['a'].difference.components.replicate_var: expected a finite number or null"),
+]
+for key, value, expected in [("replicates", 0, "an integer >= 1, got int 0"),
+                             ("seeds", True, "an integer >= 1, got bool True"),
+                             ("examples", 9.5, "an integer >= 1, got float 9.5"),
+                             ("seed_var", -1e-4, "a finite number >= 0 or null"),
+                             ("seeds_inside", "no", "true or false, got str 'no'")]:
+    fine = report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"]["components"]
+    BAD_COMPONENTS.append((report_with({**fine, key: value}), f"{C}.{key}: expected {expected}"))
+
+
+@pytest.mark.parametrize("report, expected", BAD_COMPONENTS, ids=[e[:50] for _, e in BAD_COMPONENTS])
+def test_the_planners_report_is_checked_field_by_field(report, expected, tmp_path, capsys):
+    """--components: a report.json of reproduce.py, read by the dry run's planner; every field it reads is checked,
+    and one that is not as reproduce.py writes it is one line naming the file and the field, never a traceback."""
+    source = tmp_path / "report.json"
+    source.write_text(report if isinstance(report, str) else json.dumps(report))
+    status, _, err = in_process(capsys, "--scale=cpu", f"--out={tmp_path / 'exp'}", "--dry_run",
+                                f"--components={source}")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --components={source}: ") and expected in err, err
+
+
+def test_a_plan_or_stage_record_not_as_written_is_one_line(tmp_path):
+    """OUT/plan.json and OUT/stages/NAME.json, read at every invocation: a field that is not as reproduce.py writes
+    it (edited by hand, another tool's) is one line naming the file and the field."""
+    from machinery import stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    plan_of = [stages.Stage("cka", [sys.executable, "-c", "pass"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "stages").mkdir()
+    fingerprint = plan["stages"]["cka"]["fingerprint"]
+    for written, expected in [
+            ({**plan, "stages": {"cka": "x"}}, "plan.json: stages['cka']: expected an object, got str 'x'"),
+            ({**plan, "stages": {"cka": {"fingerprint": 3}}}, "plan.json: stages['cka'].fingerprint: expected a str"),
+            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None")]:
+        (out / "plan.json").write_text(json.dumps(written))
+        with pytest.raises(InputError) as refusal:
+            stages.check_out(out, plan)
+        assert expected in str(refusal.value) and "choose a new --out" in str(refusal.value), str(refusal.value)
+    (out / "plan.json").write_text(json.dumps(plan))
+    for record, expected in [
+            ({"finished": "yes"}, "cka.json: finished: expected true or false, got str 'yes'"),
+            ({"finished": True, "outputs": ["OUT/cka.json"]}, "cka.json: outputs: expected an object of paths"),
+            ({"finished": True, "outputs": {}}, "cka.json: seconds: expected a finite number >= 0, got NoneType"),
+            ({"finished": False, "threads": 0}, "cka.json: threads: expected an integer >= 1, got int 0")]:
+        (out / "stages" / "cka.json").write_text(json.dumps({"fingerprint": fingerprint, **record}))
+        with pytest.raises(InputError) as refusal:
+            stages.check_out(out, plan)
+            stages.run(plan_of, out, plan, 1, 1)
+        assert expected in str(refusal.value) and "delete it to run the stage again" in str(refusal.value)
 
 
 def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):

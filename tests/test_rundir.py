@@ -430,7 +430,7 @@ def card_of(tmp_path, **flags):
                 sources=[dict(name="code", documents=12, sha256="ab" * 32)])
     r = argparse.Namespace(cfg=cfg, history=[], phase_step=4, phase_tokens=2048, schedule_start=0, meta=meta,
                            model=tiny_model(), run_dir=argparse.Namespace(log_path=str(log)),
-                           loader=argparse.Namespace(sequence=16, n_windows=8))
+                           loader=argparse.Namespace(sequence=16, n_windows=8), wrote={"loss.png": True})
     return progress.card(r, train.learning_rate)
 
 
