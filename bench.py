@@ -45,7 +45,7 @@ from pathlib import Path
 
 from machinery import gpureport
 from machinery.cli import (InputError, Parser, autocast, check_writable, out_of_memory, pick_device, pick_threads,
-                           positive_float, positive_int, run, usable_cores)
+                           positive_float, positive_int, run, usable_cores, write_text)
 from machinery.flags import MIN_SEQ_LEN
 
 HERE = Path(__file__).resolve().parent
@@ -547,7 +547,7 @@ def bench_train(args, rows=None):
             raise InputError(message)
         print(f"note: {message}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_text(args.json, json.dumps(rows, indent=1))
     return rows
 
 
@@ -667,8 +667,8 @@ def gpu_report(args):
 
     def write():
         minutes = (time.monotonic() - start) / 60
-        Path(args.out).write_text(gpureport.header(started, command, minutes, args.minutes, env) + "\n"
-                                  + "\n".join(parts.values()))
+        write_text(args.out, gpureport.header(started, command, minutes, args.minutes, env) + "\n"
+                   + "\n".join(parts.values()))
 
     with tempfile.TemporaryDirectory() as tmp:
         code, seconds = gpureport.run_suite(suite, Path(tmp) / "results.jsonl", (deadline - start) / 2)
