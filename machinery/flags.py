@@ -98,7 +98,8 @@ def parse_types(argv, types):
             raise InputError(f"unknown flag --{key}{did_you_mean(key, [*types, *ALIASES])} (python train.py --help "
                              f"lists them all)")
         if key in flags:
-            both = f"--{named[key]} and --{given} name one setting" if named[key] != given else f"--{key} is given twice"
+            both = (f"--{named[key]} and --{given} name one setting" if named[key] != given else
+                    f"--{key} is given twice")
             raise InputError(f"{both}; give each flag once")
         named[key] = given
         if not eq:
