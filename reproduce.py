@@ -380,6 +380,11 @@ def costs(a, s, stages, seeds=None):
         f"--jobs={MEASURED_CORES}; {len(hours)} of {len(stages)} stages measured")
 
 
+def amount(hours):
+    """Hours to three significant digits, in plain figures (1010, not 1.01e+03)."""
+    return f"{hours:.0f}" if hours >= 100 else f"{hours:.3g}"
+
+
 MEASURED_CORES = 2  # the committed reports were made with --jobs=2 on a 2-core machine: a stage had one core
 
 
@@ -825,7 +830,7 @@ def dry_run(a, s, out, plan_of, missing):
         finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
     unit, hours, how = costs(a, s, stages)
     for st in stages:
-        cost = f"   (~{hours[st.name]:.3g} {unit})" if st.name in hours else ""
+        cost = f"   (~{amount(hours[st.name])} {unit})" if st.name in hours else ""
         print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
 
     def price(replicates=a.replicates, seeds=None):
@@ -837,11 +842,12 @@ def dry_run(a, s, out, plan_of, missing):
         plan = plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": replicates}))
         other = sum(costs(a, s, plan, seeds)[1].values())
         more = other - sum(hours.values())
-        return f" (~{other:.3g} {unit} in all, {more:.3g} more)" if more > 0 else f" (this plan's ~{other:.3g} {unit})"
+        return f" (~{amount(other)} {unit} in all, {amount(more)} more)" if more > 0 else \
+            f" (this plan's ~{amount(other)} {unit})"
     power_plan(a, s, price)
     if unit:
-        print(f"{'the trainings' if a.scale == 'paper' else 'the stages'}: ~{sum(hours.values()):.3g} {unit} in all "
-              f"({how})")
+        print(f"{'the trainings' if a.scale == 'paper' else 'the stages'}: ~{amount(sum(hours.values()))} {unit} in "
+              f"all ({how})")
     if a.start and not Path(a.start).exists():
         print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
     if missing:
