@@ -30,10 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from machinery import datacli
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    datacli.check_command_line(__doc__)
+
 import numpy as np
 import torch
 
-from machinery import datacli
 from machinery.cli import InputError, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, publish, tokenize, worker_count,
                                workspace, write_documents)

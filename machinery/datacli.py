@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, usable_cores
+from machinery.cli import InputError, Parser, run, usable_cores
 from machinery.prepare import (HELD_OUT_EVERY, find_sources, make_writable_dir, read_documents, write_code,
                                write_docstrings, write_file)
 from machinery.tokenfiles import SPLITS, load_meta, split_tokens
@@ -139,6 +139,13 @@ def make_parser(description):
     e.add_argument("--vocab_size", type=int, default=DEMO_VOCAB,
                    help="ids of the BPE learned from the demo's text; 0: the byte tokenizer")
     return parser
+
+
+def check_command_line(description):
+    """data.py's flags checked before it imports torch (seconds on an idle machine, more on a busy one): a mistyped
+    one is answered at once, in one line (exit status 2); --help is printed. main parses them again."""
+    if sys.argv[1:]:
+        run(lambda _: make_parser(description).parse_args(sys.argv[1:]))
 
 
 def main(data, argv=None):
