@@ -107,7 +107,7 @@ def at_its_peak(cfg, done, more, learning_rate):
         all(learning_rate(longer, t) == cfg.lr for t in range(done, done + more, per_step))
 
 
-MEMORISED = 4  # epochs of its data past which a run is warned that it will memorise them (and no hint goes)
+MEMORISED = 4  # epochs of its data past which a run warns that it will memorise them; the longer: hint stops there
 
 
 def plan(r, total_steps):
@@ -210,13 +210,14 @@ def continuations(r, total_steps, learning_rate):
     hints = []
     # as many tokens again, or as many as keep its data read at most MEMORISED times (the warning a run gives)
     room = (MEMORISED * r.loader.n_windows - r.loader.sequence) // cfg.batch_size * per_step
-    more = min(cfg.tokens, room)
-    if not cfg.schedule_tokens and more >= per_step and at_its_peak(cfg, r.schedule_start + r.phase_tokens, more,
-                                                                     learning_rate):
+    longer = min(cfg.tokens, room)
+    if not cfg.schedule_tokens and longer >= per_step and at_its_peak(cfg, r.schedule_start + r.phase_tokens, longer,
+                                                                       learning_rate):
         same = same_objective(cfg, r.objective.masked)
-        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={more}", "--warmup_tokens=0", name="longer"),
-                      ("as many tokens again" if more == cfg.tokens else
-                       f"{more:,} tokens more, up to {MEMORISED} epochs of {cfg.data}")
+        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={longer}", "--warmup_tokens=0",
+                                        name="longer"),
+                      ("as many tokens again" if longer == cfg.tokens else
+                       f"{longer:,} tokens more, up to {MEMORISED} epochs of {cfg.data}")
                       + f", its schedule kept, into a run of its own: {out} stays as it is"))
     phase_tokens = r.phase_tokens + sum(h["tokens"] for h in same_phase_before(r.history, cfg.phase))
     if cfg.schedule == "constant" and phase_tokens // 10 >= per_step:  # a decay's default is 10% of its parent's

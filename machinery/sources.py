@@ -21,7 +21,6 @@ from: each written file is checked against that file's sha256):
 The downloads are kept in DIR/downloads under the names of DOWNLOADS: one already there is used without a network
 (on a machine without one, copy them there by hand). A file already in DIR is kept as it is, never overwritten.
 """
-import hashlib
 import json
 import os
 import random
@@ -33,7 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from machinery.cli import InputError
+from machinery.cli import InputError, sha256_file
 
 RAW = "https://raw.githubusercontent.com"
 PUBMEDQA = f"{RAW}/pubmedqa/pubmedqa/1cbae8e92f72f20c8d3747cbb3bf5bc53554d997/data"
@@ -184,11 +183,6 @@ CORPUS, HELDOUT = "corpus/e3c_en_clinical_cases.jsonl", "heldout/pubmedqa_abstra
 # Fetching: the downloads that are not there yet, then every file of DIR that is not there yet.
 
 
-def missing(data_dir):
-    """The files of OUTPUTS that DIR lacks, as paths."""
-    return [Path(data_dir) / o.path for o in OUTPUTS if not (Path(data_dir) / o.path).is_file()]
-
-
 def how_to_get(data_dir):
     """What a command that needs the studies' data says where DIR lacks them: what they are and the command that
     fetches them."""
@@ -209,11 +203,6 @@ def download(url, path):
         raise InputError(f"cannot download {url} ({getattr(e, 'reason', None) or e}); on a machine with a network, "
                          f"run this again, or copy that file there by hand as {path} and run it again here") from None
     print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch(data_dir):
@@ -240,7 +229,7 @@ def fetch(data_dir):
     for task in TASKS:
         read_task(data_dir / "tasks" / task)  # as eval.py will read it: an error now, not hours into a study
     for o in OUTPUTS:
-        if sha256(data_dir / o.path) != SHA256[o.path]:
+        if sha256_file(data_dir / o.path) != SHA256[o.path]:
             print(f"warning: {data_dir / o.path} differs from the file the reports in docs/ were computed from "
                   f"(sha256 {SHA256[o.path][:16]}...): its source changed since, or the file was edited; results "
                   f"made with it may differ", file=sys.stderr)
