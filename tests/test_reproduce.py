@@ -484,7 +484,7 @@ def test_without_the_data_a_run_says_where_they_come_from_and_a_dry_run_goes_on(
     for words in (f"--data={empty}: it lacks corpus/e3c_en_clinical_cases.jsonl, tasks/ncbi_disease", "E3C",
                   "NCBI-disease, ChemProt and PubMedQA", f"`python data.py fetch --out={empty}`", "--data names"):
         assert words in err, words
-    status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}", "--dry_run", "--detect=3")
+    status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}", "--dry_run")
     assert status == 0, err
     lines = text.splitlines()
     assert sum(": python" in line for line in lines) == 56 and not out.exists()
@@ -499,16 +499,22 @@ def test_detect_answers_with_their_cost(tmp_path, capsys):
     """--detect's replicates come with the CPU hours of the plan that has them, the same as a dry run with that
     many --replicates totals; seeds scale the fine-tuning stages; more test examples train nothing more."""
     need(CORPUS)
+    components = dict(replicates=3, seeds=2, examples=940, replicate_var=5e-5, seed_var=1e-3, example_var=0.02,
+                      seeds_inside=False)  # 8 replicates or 17 seeds detect 3 points
+    source = tmp_path / "report.json"
+    source.write_text(json.dumps({"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}))
     out = tmp_path / "exp"
-    status, text, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", "--detect=3")
-    chemprot = text.split("  chemprot:")[1].split("\n")[1]
-    replicates = int(chemprot.split("one change at a time: ")[1].split()[0])
-    price = float(chemprot.split(f"{replicates} replicates (~")[1].split()[0])
-    status, again, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--replicates={replicates}")
+    status, text, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", "--detect=3",
+                                 f"--components={source}")
+    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
+    replicates = int(ways.split("one change at a time: ")[1].split()[0])
+    price = float(ways.split(f"{replicates} replicates (~")[1].split()[0])
+    status, again, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--replicates={replicates}",
+                                  f"--components={source}")
     assert status == 0 and replicates > 3
     assert again.splitlines()[-2].startswith(f"the stages: ~{price:.3g} CPU hours in all")
-    assert "seeds (~" in chemprot and "CPU hours in all" in chemprot.split("seeds (~")[1]
-    assert "test examples (the same trainings, more of the test set scored)" in text
+    assert "seeds (~" in ways and "CPU hours in all" in ways.split("seeds (~")[1]
 
 
 # A stage's command in miniature: writes its --out (as eval.py and data.py take it) or a run directory's files.
