@@ -798,6 +798,7 @@ def main(argv=None):
     if a.gpus and not a.dry_run and 0 < gpu_count() < a.gpus:
         raise InputError(f"--gpus={a.gpus}: this machine has {gpu_count()} GPU(s)")
     a.corpus, a.tasks = [Path(c).resolve() for c in a.corpus], [Path(t).resolve() for t in a.tasks]
+    a.heldout = a.heldout.resolve()
     if a.start and Path(a.start).exists():  # stages run from the repository root
         a.start = str(Path(a.start).resolve())
     a.replicates = a.replicates or s["replicates"]

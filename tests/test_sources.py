@@ -99,7 +99,8 @@ def test_fetch_converts_each_source_to_what_eval_and_reproduce_read(tmp_path, ca
     assert kinds == {"ncbi_disease": "token", "chemprot": "single", "pubmedqa": "single"}
 
     capsys.readouterr()
-    reproduce.main(["--scale=smoke", f"--out={tmp_path / 'exp'}", f"--data={bio}", "--dry_run"])
+    monkeypatch.chdir(tmp_path)  # --data relative to where the command is typed; the stages run from the repository
+    reproduce.main(["--scale=smoke", "--out=exp", "--data=bio", "--dry_run"])
     printed = capsys.readouterr().out
     assert printed.splitlines()[-1].endswith("inputs checked; nothing was run (--dry_run)")
     assert f"--task={bio / 'tasks' / 'pubmedqa'}" in printed and f"--texts={bio / 'heldout'}" in printed
