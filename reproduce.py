@@ -1,9 +1,10 @@
 """Two papers' comparisons, each in one command, at a smoke, a CPU and the paper's scale, with a report.
 
+    python data.py fetch --out data/bio                   # once: the corpus, tasks and held-out texts (--data)
     python reproduce.py --scale=smoke --out=out/smoke --jobs=2                    # the CLM detour: the pipeline works
     python reproduce.py --study=biphasic --scale=smoke --out=out/bi --jobs=2      # CLM then MLM from scratch
     python reproduce.py --scale=cpu --out=out/detour-cpu --jobs=2                 # about 3 h of 2 CPU cores
-    python reproduce.py --scale=paper --out=out/paper --dry_run                   # print every command, check inputs
+    python reproduce.py --scale=paper --out=out/paper --dry_run                   # every command, its cost, the power
 
 Every arm is trained --replicates times (default: 2 at smoke, 3 at cpu and paper scale). Replicate r of every arm
 shares its training seed (17 + r - 1) and its data-order seed (42 + r - 1) with replicate r of the other arms, so
