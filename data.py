@@ -6,6 +6,7 @@ Data for continued pretraining of ModernBERT, top to bottom: text in, token file
         --out data/mix --mix a=0.7,b=0.3
     python data.py tokenizer --input a.jsonl --vocab_size 8192 --out tok8k.json  # a small BPE
     python data.py code --out data/code.jsonl --heldout data/code-heldout.jsonl  # a new domain: stdlib code
+    python data.py fetch --out data/bio   # the studies' corpus, tasks and held-out texts, from public sources
 
 1. Packing: a .bin is its documents end to end, each [CLS] tokens [SEP], and a sequence is any
    window of seq_len tokens, across documents (document_ids tells them apart where attention should).
@@ -29,10 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from machinery import datacli
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    datacli.check_command_line(__doc__)
+
 import numpy as np
 import torch
 
-from machinery import datacli
 from machinery.cli import InputError, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, publish, tokenize, worker_count,
                                workspace, write_documents)

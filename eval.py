@@ -8,7 +8,7 @@ a seed-noise band), what they are worth downstream (fine-tuning), and how well i
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
     python eval.py table mlm-r1.json,mlm-r2.json clm-r1.json,clm-r2.json  # arms compared
     python eval.py mlm RUN --data=data/demo
-    python eval.py curves out/clm out/mlm --out=out/curves.png
+    python eval.py curves out/clm out/mlm --out=out/curves.png   # one run: its loss.png drawn again
     python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
 A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. Sections:
@@ -681,10 +681,11 @@ def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
     return losses
 
 
-def curves(runs, out, names=None):
-    """Several runs' loss curves on shared axes, one colour per run (machinery/curves.py)."""
-    from machinery.curves import draw_runs  # matplotlib: only this command needs it
-    return draw_runs([str(r) for r in runs], str(out), names=names)
+def curves(runs, out=None, names=None):
+    """Loss curves (machinery/curves.py): one run's picture across the phases it continues (its loss.png unless
+    --out names another), or several runs on shared axes, one colour per run."""
+    from machinery.curves import draw  # matplotlib: only this command needs it
+    return draw([str(r) for r in runs], out and str(out), names)
 
 
 # ----------------------------------------------------------------------------

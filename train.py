@@ -20,12 +20,17 @@ import sys
 import time
 from dataclasses import dataclass
 
+from machinery import flags
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    flags.check_command_line(__file__)
+
 import torch
 import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, datacli, flags, kernels, progress, rundir, tracking
+from machinery import cli, datacli, kernels, progress, rundir, tracking
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, check_savable, code_version, rng_state, set_rng_state
 from model import BACKENDS, IGNORE_INDEX, PRESETS, ModernBERT, ModernBERTConfig

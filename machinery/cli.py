@@ -3,6 +3,7 @@ device, thread and autocast picker, out-of-memory recognised, output paths check
 out, a file's SHA-256. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
+import difflib
 import math
 import hashlib
 import json
@@ -286,9 +287,16 @@ def check_outputs(flag, outputs, reads):
         check_writable(str(path), flag)
 
 
+def did_you_mean(flag, names):
+    """"; did you mean --x?" for a mistyped --flag: the names closest to it by spelling (difflib's ratio, as a
+    typo keeps most letters in order: --tokns is --tokens), or "" where none is close."""
+    close = difflib.get_close_matches(flag.lstrip("-").replace("-", "_"), dict.fromkeys(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join('--' + name for name in close)}?" if close else ""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse that shows every default in --help, turns usage errors into InputError, and refuses a flag
-    given twice (argparse would silently keep the last value)."""
+    """argparse that shows every default in --help, turns usage errors into InputError, refuses a flag given
+    twice (argparse would silently keep the last value), and answers an unknown flag with the closest ones."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -300,7 +308,36 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         refuse_repeats(args, self)
-        return super().parse_args(args, namespace)
+        try:
+            namespace, extras = self.parse_known_args(args, namespace)
+        except InputError:  # a required flag missing: because it was mistyped, most often; that is the error
+            extras, namespace = [a for a in args if a.startswith("--") and not self.knows(a)], None
+            if not extras:
+                raise
+        if extras:
+            flag = next((a.split("=", 1)[0] for a in extras if a.startswith("--")), "")
+            hint = did_you_mean(flag, flag_names(self, namespace)) if flag else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace
+
+    def knows(self, arg):
+        """Whether --flag[=value] names a flag of this parser or its sub-commands (or abbreviates one, as
+        argparse allows)."""
+        flag = arg.split("=", 1)[0]
+        return arg == "--" or any(name.startswith(flag[2:]) for name in flag_names(self))
+
+
+def flag_names(parser, namespace=None):
+    """The --flags (without dashes) of the parser and of the sub-command that `namespace` chose (None: of every
+    sub-command)."""
+    names = [o[2:] for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(namespace, action.dest, None) if namespace is not None else None
+            for name, sub in action.choices.items():
+                if chosen in (None, name):
+                    names += flag_names(sub, namespace)
+    return names
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -109,6 +109,9 @@ def at_its_peak(cfg, done, more, learning_rate):
         all(learning_rate(longer, t) == cfg.lr for t in range(done, done + more, per_step))
 
 
+MEMORISED = 4  # epochs of its data past which a run warns that it will memorise them; the longer: hint stops there
+
+
 def plan(r, total_steps):
     """The resolved configuration, versions, device, model, objective, schedule and batch arithmetic."""
     cfg = r.cfg
@@ -141,7 +144,7 @@ def plan(r, total_steps):
           + (f", from epoch {seen:.2f} (where the run it continues stopped)" if seen else ""))
     for line in tracking.where(cfg.log_to, cfg.out_dir):
         print(f"tracked: {line}")
-    if seen + epochs > 4:
+    if seen + epochs > MEMORISED:
         print(f"warning: the budget is {epochs:,.1f} epochs of {cfg.data}" + (f", {seen + epochs:,.1f} with the runs "
               f"before it" if seen else "") + ": the model will memorise it; lower --tokens or prepare more data")
 
@@ -213,11 +216,17 @@ def continuations(r, total_steps, learning_rate):
     if cfg.phase == "decay":  # the end of the recipe
         return []
     hints = []
-    if not cfg.schedule_tokens and at_its_peak(cfg, r.schedule_start + r.phase_tokens, cfg.tokens, learning_rate):
+    # as many tokens again, or as many as keep its data read at most MEMORISED times (the warning a run gives)
+    room = (MEMORISED * r.loader.n_windows - r.loader.sequence) // cfg.batch_size * per_step
+    longer = min(cfg.tokens, room)
+    if not cfg.schedule_tokens and longer >= per_step and at_its_peak(cfg, r.schedule_start + r.phase_tokens, longer,
+                                                                       learning_rate):
         same = same_objective(cfg, r.objective.masked)
-        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={cfg.tokens}", "--warmup_tokens=0",
+        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={longer}", "--warmup_tokens=0",
                                         name="longer"),
-                      f"as many tokens again, its schedule kept, into a run of its own: {out} stays as it is"))
+                      ("as many tokens again" if longer == cfg.tokens else
+                       f"{longer:,} tokens more, up to {MEMORISED} epochs of {cfg.data}")
+                      + f", its schedule kept, into a run of its own: {out} stays as it is"))
     phase_tokens = r.phase_tokens + sum(h["tokens"] for h in same_phase_before(r.history, cfg.phase))
     if cfg.schedule == "constant" and phase_tokens // 10 >= per_step:  # a decay's default is 10% of its parent's
         more = [f"--tokens={phase_tokens // 10}"] if phase_tokens > r.phase_tokens else []
@@ -371,22 +380,21 @@ def card(r, learning_rate):
     return "\n".join(lines)
 
 
-HUB_PLACEHOLDER = "USER/NAME"  # the card's hub id where --hub_id names none
-
-
 def use(cfg):
-    """The card's "Use" section: the snippet loads the hub id (--hub_id, or a placeholder the card says to
-    replace), which is what a reader of the card on the hub can load; this machine's folder in a sentence."""
-    hub_id = cfg.hub_id or HUB_PLACEHOLDER
-    upload = f"`hf upload {hub_id} {cfg.out_dir} --exclude \"checkpoints/*\"`"
-    where = (f"Published with {upload}." if cfg.hub_id else
-             f"Replace `{HUB_PLACEHOLDER}` with the hub repository this folder is uploaded to ({upload}), or name it "
-             f"at training time with `--hub_id`.")
+    """The card's "Use" section, a snippet that runs as written: it loads the hub id where --hub_id names one (what
+    a reader of the card on the hub can load), else the folder train.py wrote, from the directory it ran in (a
+    hub id the user never chose would wait for the network and fail). The other in a sentence, with the upload."""
+    upload = f"`hf upload {cfg.hub_id or 'USER/NAME'} {cfg.out_dir} --exclude \"checkpoints/*\"`"
+    here = "" if os.path.isabs(cfg.out_dir) else ", from the directory it ran in"
+    if cfg.hub_id:
+        where = (f"Published with {upload}. Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the "
+                 f"folder train.py wrote{here}.")
+    else:
+        where = (f"`{cfg.out_dir}` is the folder train.py wrote{here}. To publish it: {upload}, with your hub "
+                 f"repository for USER/NAME; trained with `--hub_id=USER/NAME`, this snippet loads it from the hub.")
     return ["## Use", "", "```python", "from transformers import pipeline",
-            f"fill = pipeline(\"fill-mask\", model={json.dumps(hub_id)})",
-            "print(fill(\"Return the [MASK] of the list.\"))", "```", "",
-            f"{where} Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the folder where train.py "
-            f"wrote it."]
+            f"fill = pipeline(\"fill-mask\", model={json.dumps(cfg.hub_id or cfg.out_dir)})",
+            "print(fill(\"Return the [MASK] of the list.\"))", "```", "", where]
 
 
 def intended_use(r, chain, val):

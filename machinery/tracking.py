@@ -17,8 +17,9 @@ PROJECT = "modernbert"  # the W&B and trackio project, unless $WANDB_PROJECT or 
 
 
 def names(log_to):
-    """--log_to's trackers, checked: known names, each installed. Before any data is read."""
-    chosen = [n.strip() for n in log_to.split(",") if n.strip()]
+    """--log_to's trackers, checked: known names, each installed. Before any data is read. "none" (Hugging Face's
+    word for no tracker) is none."""
+    chosen = [n.strip() for n in log_to.split(",") if n.strip()] if log_to.strip() != "none" else []
     twice = sorted({n for n in chosen if chosen.count(n) > 1})
     if twice:  # it would get every point twice
         raise InputError(f"--log_to={log_to}: {', '.join(twice)} is named twice; name each tracker once")

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import data
+from conftest import ROOT
 from machinery import tokenfiles
 from machinery.cli import InputError, run
 from machinery.tokenizer import bytes_config
@@ -646,3 +648,18 @@ def test_full_disk(case, argv, before, culprit, small_disk, tmp_path, capsys):
     assert left in (expected, sorted([*expected, "out"])), left  # at most the empty --out folder it made
     if case == "prepare over a previous corpus":
         assert {p.name: p.read_bytes() for p in (disk / "small").iterdir()} == kept
+
+
+def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
+    """data.py checks its flags before it imports torch (seconds, more on a busy machine): a torch that cannot be
+    imported does not stand in the way of the answer, nor of --help; right flags go on to it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for argv, status, said in ((["prepare", "--inptu", "a.jsonl"], 2, "error: data.py: unrecognized arguments: "
+                                "--inptu; did you mean --input? (see data.py --help)"),
+                               (["prepare", "--help"], 0, ""),
+                               (["docstrings", "--out", "d.jsonl"], 1, "torch was imported")):
+        result = subprocess.run([sys.executable, str(ROOT / "data.py"), *argv], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert (result.returncode, result.stderr.strip()) == (status, said)

@@ -134,6 +134,9 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("curves {root} --out={root}/c.png", "no log.jsonl (not a train.py run directory)"),
     ("curves {root}/run {root}/run --out={root}/c.png --names=a", "--names gives 1 names for 2 runs"),
     ("curves {root}/run --out={root}/c.png --names=a,a", "--names: expected some distinct non-empty names"),
+    ("curves {root}/run {root}/run", "--out: several runs are drawn into one picture"),
+    ("finetune {model} --task={task} --sedes=1", "unrecognized arguments: --sedes=1; did you mean --seeds or --steps?"),
+    ("cka {model} {model} --textz={texts}", "unrecognized arguments: --textz={texts}; did you mean --texts?"),
     # an --out that is an input, a folder, or the file the command writes beside it: refused before any model loads
     ("cka {model} {root}/other --texts={texts} --out={texts}", "it would overwrite " + "{texts}, which this command"),
     ("cka {model} {root}/other --texts={texts} --out={root}/other/model.safetensors", "other/model.safetensors, which"),

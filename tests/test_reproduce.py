@@ -333,11 +333,18 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys, study
     command = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines if ": python" in line}
     assert len(command) == count
     assert "--seed=19 --data_seed=44" in command["mlm-r3"] and "--seed=17 --data_seed=42" in command["mlm-r1"]
-    hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if "GPU-hours)" in c}
+    unit = "H100 GPU-hours" if scale == "paper" else "CPU hours"  # the machine's own terms
+    hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if f"{unit})" in c}
     evals = ("finetune-", "cka-", "needle", "data-", "tok")
-    assert set(hours) == {name for name in command if not name.startswith(evals)}
     total = float(lines[-2].split("~", 1)[1].split()[0])
-    assert lines[-2].startswith("the trainings: ~") and total == pytest.approx(sum(hours.values()), rel=0.01)
+    assert total == pytest.approx(sum(hours.values()), rel=0.01)
+    if scale == "paper":  # the trainings, estimated from their FLOPs
+        assert set(hours) == {name for name in command if not name.startswith(evals)}
+        assert lines[-2].startswith("the trainings: ~") and "GPU-hours" in lines[-2]
+    else:  # every stage, as the study's committed cpu report measured a stage of its kind (one core each)
+        assert set(hours) == set(command) and lines[-2].startswith("the stages: ~") and "CPU hours in all" in lines[-2]
+        measured = json.loads((ROOT / "docs" / f"{study}-cpu" / "report.json").read_text())["time"]["stages"]
+        assert hours["mlm-r2"] == pytest.approx(sum(measured[f"mlm-r{r}"] for r in (1, 2, 3)) / 3 / 3600, rel=0.01)
     if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
         assert hours["mlm-r1"] == pytest.approx(12.7, abs=0.5)
     if study == "detour":
@@ -411,6 +418,7 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}"], "cannot write there"),
         (["--scale=smoke", f"--out={read_only(tmp_path)}/exp", "--dry_run"], "cannot write there"),
         (["--scale=smoke", out, "--epochs=3"], "unrecognized arguments: --epochs=3"),
+        (["--sclae=smoke", out], "unrecognized arguments: --sclae=smoke; did you mean --scale?"),  # not "required"
         (["--scale=smoke"], "the following arguments are required: --out"),
     ]
     line, stdout = refused(*cases[0][0])  # as a process: one line on stderr, exit status 2
@@ -575,6 +583,50 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
                           ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
         status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", *args)
         assert status == 2 and message in err, (args, err)
+
+
+def test_without_the_data_a_run_says_where_they_come_from_and_a_dry_run_goes_on(tmp_path, capsys):
+    """A fresh clone has no corpus, tasks or held-out texts: a run is one line naming what --data lacks, where those
+    come from and the command that fetches them; a dry run prints every command, the power from the committed report
+    (its test-set sizes) and what is missing, without checking OUT against a plan it cannot fingerprint."""
+    empty, out = tmp_path / "empty", tmp_path / "exp"
+    empty.mkdir()
+    status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}")
+    assert status == 2 and len(err.splitlines()) == 1, err
+    for words in (f"--data={empty}: it lacks corpus/e3c_en_clinical_cases.jsonl, tasks/ncbi_disease", "E3C",
+                  "NCBI-disease, ChemProt and PubMedQA", f"`python data.py fetch --out={empty}`", "--data names"):
+        assert words in err, words
+    status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}", "--dry_run")
+    assert status == 0, err
+    lines = text.splitlines()
+    assert sum(": python" in line for line in lines) == 56 and not out.exists()
+    assert any(line.startswith("  ncbi_disease: 940 test examples: detects") for line in lines)
+    assert lines[-2].startswith(f"missing: {empty / 'corpus' / 'e3c_en_clinical_cases.jsonl'}, ")
+    assert "python data.py fetch" in lines[-2]
+    assert lines[-1] == (f"56 stages; not checked: the 5 missing input(s) above, and {out} against the plan (its "
+                         f"fingerprints read them); nothing was run (--dry_run)")
+
+
+def test_detect_answers_with_their_cost(tmp_path, capsys):
+    """--detect's replicates come with the CPU hours of the plan that has them, the same as a dry run with that
+    many --replicates totals; seeds scale the fine-tuning stages; more test examples train nothing more."""
+    need(CORPUS)
+    components = dict(replicates=3, seeds=2, examples=940, replicate_var=5e-5, seed_var=1e-3, example_var=0.02,
+                      seeds_inside=False)  # 8 replicates or 17 seeds detect 3 points
+    source = tmp_path / "report.json"
+    source.write_text(json.dumps({"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}))
+    out = tmp_path / "exp"
+    status, text, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", "--detect=3",
+                                 f"--components={source}")
+    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
+    replicates = int(ways.split("one change at a time: ")[1].split()[0])
+    price = float(ways.split(f"{replicates} replicates (~")[1].split()[0])
+    status, again, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--replicates={replicates}",
+                                  f"--components={source}")
+    assert status == 0 and replicates > 3
+    assert again.splitlines()[-2].startswith(f"the stages: ~{price:.3g} CPU hours in all")
+    assert "seeds (~" in ways and "CPU hours in all" in ways.split("seeds (~")[1]
 
 
 # A stage's command in miniature: writes its --out (as eval.py and data.py take it) or a run directory's files.

@@ -99,6 +99,9 @@ BAD_FLAGS = [
     (["--resume"], ["--resume"]),
     (["stray"], ["'stray'"]),
     (["--unknown=1"], ["--unknown"]),
+    (["--tokns=500k"], ["unknown flag --tokns; did you mean --tokens?"]),  # by closeness, not by its first letters
+    (["--report_to=tensorbored"], ["--log_to=tensorbored", "'tensorbored' is not a tracker"]),  # Hugging Face's name
+    (["--report_to=wandb", "--log_to=wandb"], ["--report_to and --log_to name one setting"]),
     (["--lr=1e9"], ["--lr=1000000000.0", "--allow_high_lr"]),  # a typo, not an intent
     (["--tokens=1e6", "--tokens=2e6"], ["--tokens is given twice"]),
     (["--seed=1.5"], ["--seed='1.5'"]),
@@ -589,6 +592,26 @@ def test_trailing_slash_is_the_same_run(demo_corpus, tmp_path):
                 "--max_steps=1"])
     train.main([f"--out_dir={tmp_path / 'run'}/", "--resume"])
     assert RunDir.open(str(tmp_path / "run")).latest_state()["phase_step"] == 2
+
+
+def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
+    """train.py checks its flags against its Config's source before it imports torch (seconds, a minute on a busy
+    machine): a torch that cannot be imported does not stand in the way of the answer; right flags go on to it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for flags, said in ((["--tokns=500k"], "error: unknown flag --tokns; did you mean --tokens? (python train.py "
+                                           "--help lists them all)"),
+                        (["--tokens=500k", "--lr=fast"], "error: --lr='fast' is not a valid float"),
+                        (["--tokens=500k"], "torch was imported")):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert result.stderr.strip() == said and result.returncode == (1 if said.startswith("torch") else 2)
+
+
+def test_none_is_no_tracker_as_hugging_face_says_it():
+    from machinery import tracking
+    assert tracking.names("none") == [] and tracking.where("none", "out/run") == []
 
 
 def test_traceback_free_at_the_process_level(tmp_path):
