@@ -2,8 +2,9 @@
 Benchmarks (not tests): numbers to quote, medians of a few repeats, each against a peer in the same run.
 
     python bench.py train [--presets=base] [--phases=clm,mlm] [--seq_lens=1024,8192] [--micro_tokens=32768]
+                          [--backend=auto] [--compile=blocks|model|none] [--deterministic=true] [--residual=fp32]
     python bench.py data [--corpus=PATH] [--tokenizer=PATH] [--workers=1,2] [--repeats=3]
-    python bench.py gpu-report [--out=gpu-report.md] [--workers=8]
+    python bench.py gpu-report [--out=gpu-report.md] [--workers=8] [--minutes=9]
     python bench.py loss [--rows=2458] [--vocab=50368] [--hidden=768]
 
 train: full training steps (forward, backward, optimizer) of our model and of transformers'
@@ -15,7 +16,8 @@ tokens per sequence, 32,768 tokens per micro-batch (the paper's 4 x 8,192), CLM 
 with both models' blocks compiled (transformers' the same way as ours, so that the ratio measures the code); on
 a CPU tiny and base at 2 x 256 tokens, so that CI runs the same code. It also prints, labelled as a prediction,
 the activation memory of the paper's setting (base, 4 x 8,192 tokens). transformers' ModernBERT has no causal
-mode: for CLM it gets the causal masks as tensors ("sdpa+causal mask").
+mode: for CLM it gets the causal masks as tensors ("sdpa+causal mask"). The levers of the step (--backend,
+--compile=model, --deterministic=false, --residual=bf16) change ours only.
 
 data: `prepare` end to end per worker count (1, 2, 4, ... up to the cores) against Hugging Face `tokenizers` on as
 many threads, an Amdahl fit of the curve (the serial share) and its projection to 32 and 64 cores, labelled as
@@ -29,14 +31,15 @@ peak; on a CPU the peak resident memory of a fresh process per measurement). Its
 50,368, 768 wide) on one 8,192-token sequence at 30% masked (2,458 rows) on a CPU, the paper's micro-batch (4 x
 8,192 tokens, 9,830 rows) on a GPU.
 
-gpu-report: the GPU acceptance in one command: `python -m pytest -m gpu` in test processes that share the GPU,
-each test's result read from its JUnit XML, then `train` with its GPU defaults, alone on the GPU; one markdown
-file with the date, the GPU, the versions, the commands, the suite's results (seconds per test) and the bench
-table, to paste into docs/gpu.md. On an H200 with 8 test processes: 6.3 minutes.
+gpu-report: what to run first wherever a GPU is at hand, in one command and one markdown file (the date, the GPU, its
+clocks as found, the versions, the commit): `python -m pytest -m gpu` in test processes that share the GPU (each
+test's result kept as it ends), then alone on the GPU one attention layer through every kernel the machine has, and
+the training step at the paper's 4 x 8,192 tokens with each lever against it (LEVERS), and ours against
+transformers at 1,024 tokens; all within --minutes.
 """
 import argparse
-import datetime
-import importlib.metadata
+import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -46,18 +49,17 @@ import sys
 import tempfile
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from machinery import gpureport
 from machinery.cli import (InputError, Parser, autocast, check_writable, out_of_memory, pick_device, pick_threads,
-                           positive_int, run, usable_cores)
+                           positive_float, positive_int, run, usable_cores, write_text)
 from machinery.flags import MIN_SEQ_LEN
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared"
 # what gpu-report runs, as its report names them
 SUITE = "python -m pytest -m gpu -rA"
-BENCH = "python bench.py train --device=cuda"
 GPU_DEFAULTS = dict(presets=["base"], seq_lens=[1024, 8192], micro_tokens=[32768])
 CPU_DEFAULTS = dict(presets=["tiny", "base"], seq_lens=[256], micro_tokens=[512])
 LOADER_SEQ_LEN = 8192  # the data bench's loader reads the paper's sequences
@@ -67,7 +69,6 @@ def bench_data(args):
     """Prepare's throughput per worker count against Hugging Face tokenizers on as many threads, an Amdahl fit of
     the curve and its projection; then the loader against transformers' collator. Each pair of measurements is
     interleaved (ours, peer, ours, peer, ...), so that load from other processes hits both alike."""
-    import contextlib
     import io
 
     import torch
@@ -336,23 +337,39 @@ def interleaved(steps, device, warmup, repeats):
     return [(statistics.median(t), m) for t, m in zip(times, memory)]
 
 
-def measure(args, preset, phase, seq_len, micro):
-    """One row: ours and the peer on the same weights, batch and optimizer, their steps interleaved."""
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the train bench: the step that is timed. The defaults are train.py's on a GPU."""
+    preset: str
+    phase: str  # clm | mlm
+    seq_len: int
+    micro: int  # sequences per micro-batch
+    backend: str = "auto"  # our attention backend
+    compile: str = "blocks"  # blocks (as train.py: each block, the peer's too) | model (our whole encoder) | none
+    deterministic: bool = True  # inductor's deterministic mode, as train.py sets it (false: kernels timed)
+    residual: str = "fp32"  # the residual stream's dtype under bf16 autocast: fp32 (model.py as written) | bf16
+    peer: bool = True  # time transformers' ModernBertForMaskedLM too, interleaved
+    loss: str = "fused"  # ours (model.py's LOSSES): fused, as docs/gpu.md's rows were measured; train.py's is plain
+
+
+def measure(args, s):
+    """One row: ours (and the peer, with s.peer) on the same weights, batch and optimizer, their steps interleaved."""
     import torch
     import transformers
 
     from machinery.hf import config_to_hf
-    from machinery.kernels import backend_for, compile_blocks
+    from machinery.kernels import backend_for, compile_blocks, deterministic_compiler
     from model import ModernBERT, ModernBERTConfig
     from train import AdamW, peak_flops
 
     device = args.device
     torch._dynamo.reset()  # each row compiles afresh: dynamo runs eager past 8 graphs of one function
+    deterministic_compiler(s.deterministic)
     torch.manual_seed(0)
-    cfg = ModernBERTConfig.from_preset(preset)
-    x, y = batch(cfg.vocab_size, micro, seq_len, phase, device)
+    cfg = ModernBERTConfig.from_preset(s.preset)
+    x, y = batch(cfg.vocab_size, s.micro, s.seq_len, s.phase, device)
     y_host = y.cpu()  # ours reads its labels on the host, as train.py gives them (no device sync)
-    causal = phase == "clm"
+    causal = s.phase == "clm"
 
     def on_device(make):
         """A model on the device with its optimizer, and the bytes both keep there (weights, Adam state)."""
@@ -360,33 +377,39 @@ def measure(args, preset, phase, seq_len, micro):
         model = make().to(device)
         return model, AdamW(ModernBERT.param_groups(model), 2e-4), allocated(device) - before
 
-    ours, ours_opt, ours_resident = on_device(lambda: ModernBERT(cfg, args.backend, args.loss))
+    ours, ours_opt, ours_resident = on_device(lambda: ModernBERT(cfg, s.backend, s.loss))
+    if s.residual == "bf16":
+        bf16_residual(ours)
+    models = {"ours": (ours, ours_opt, ours_resident, lambda: ours(x, labels=y_host, causal=causal)[1])}
     attn = args.peer_attention
     if attn == "auto":  # its fastest: flash-attn where installed (it has no causal mode), else SDPA
         flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
         attn = "flash_attention_2" if flash and not causal else "sdpa"
-    # the peer: same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
-    hf_cfg = transformers.ModernBertConfig(**{k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures",
-                                           "model_type", "layer_types", "rope_parameters", "mask_token_id")},
-                                           sparse_prediction=not causal, attn_implementation=attn)
-    peer, peer_opt, peer_resident = on_device(lambda: transformers.ModernBertForMaskedLM(hf_cfg))
-    peer.load_state_dict(ours.state_dict())
-    masks = causal_masks(seq_len, cfg.window, device) if causal else None
-    forwards = {"ours": lambda: ours(x, labels=y_host, causal=causal)[1],
-                "peer": lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss}
-    # transformers' ModernBERT has no causal mode: it gets the causal (and sliding-window) masks as tensors
+    if s.peer:  # the same weights; sparse prediction for MLM (its own fastest setting); explicit masks for CLM
+        hf_cfg = transformers.ModernBertConfig(**{k: v for k, v in config_to_hf(cfg).items() if k not in (
+            "architectures", "model_type", "layer_types", "rope_parameters", "mask_token_id")},
+            sparse_prediction=not causal, attn_implementation=attn)
+        peer, peer_opt, peer_resident = on_device(lambda: transformers.ModernBertForMaskedLM(hf_cfg))
+        peer.load_state_dict(ours.state_dict())
+        # transformers' ModernBERT has no causal mode: it gets the causal (and sliding-window) masks as tensors
+        masks = causal_masks(s.seq_len, cfg.window, device) if causal else None
+        models["peer"] = (peer, peer_opt, peer_resident,
+                          lambda: peer(input_ids=x, labels=y, attention_mask=masks).loss)
     with autocast(device):  # the backend the steps run: auto's pick depends on the dtype
         backend = backend_for(ours, device)
-    row = dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len,
-               backend=backend, peer_attention=attn + "+causal mask" * causal)
-    for name, model in (("ours", ours), ("peer", peer)):
+    row = dict(dataclasses.asdict(s), tokens=s.micro * s.seq_len, backend=backend,
+               peer_attention=attn + "+causal mask" * causal if s.peer else "-", peer=None, loss_peer=None)
+    for name, (model, _, _, forward) in models.items():
         with torch.no_grad(), autocast(device):
-            row[f"loss_{name}"] = forwards[name]().item()
+            row[f"loss_{name}"] = forward().item()
         model.train()
-    if args.compile:  # regional compilation, as train.py does; the peer too, so that the ratio is the code's
+    if s.compile == "blocks":  # regional compilation, as train.py does; the peer too, so the ratio is the code's
         compile_blocks(ours)
-        for block in peer.model.layers:
-            block.compile()
+        if s.peer:
+            for block in peer.model.layers:
+                block.compile()
+    elif s.compile == "model":
+        compile_encoder(ours)
 
     def training_step(model, opt, forward):
         def step():
@@ -398,22 +421,83 @@ def measure(args, preset, phase, seq_len, micro):
                 p.grad = None
         return step
 
-    results = interleaved([training_step(ours, ours_opt, forwards["ours"]),
-                           training_step(peer, peer_opt, forwards["peer"])], device, args.warmup, args.steps)
-    flops = ours.flops_per_token(seq_len, causal, 1.0 if causal else 0.3)
+    results = interleaved([training_step(model, opt, forward) for model, opt, _, forward in models.values()],
+                          device, args.warmup, args.steps)
+    flops = ours.flops_per_token(s.seq_len, causal, 1.0 if causal else 0.3)
     peak = peak_flops(device)
-    for name, result, resident in (("ours", results[0], ours_resident), ("peer", results[1], peer_resident)):
-        seconds, memory = result
-        row[name] = dict(tokens_per_s=micro * seq_len / seconds, ms=seconds * 1e3,
+    for name, (seconds, memory), (_, _, resident, _) in zip(models, results, models.values()):
+        row[name] = dict(tokens_per_s=s.micro * s.seq_len / seconds, ms=seconds * 1e3,
                          memory_gb=(resident + memory) / 2**30 if device.type == "cuda" else None,
-                         mfu=flops * micro * seq_len / seconds / peak if peak else None)
+                         mfu=flops * s.micro * s.seq_len / seconds / peak if peak else None)
     return row
 
 
-def out_of_memory_row(args, preset, phase, seq_len, micro):
+def bf16_residual(model):
+    """A lever: the embeddings' output cast to autocast's dtype, so that every block's two sums (x + attention,
+    x + MLP) stay in it: the residual stream in bf16, not fp32, under bf16 autocast (half the bytes between the
+    blocks; its norms still compute in fp32)."""
+    import torch
+
+    def cast(module, inputs, out):
+        kind = out.device.type
+        return out.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else out
+    model.model.embeddings.norm.register_forward_hook(cast)
+
+
+def compile_encoder(model, backend="inductor"):
+    """torch.compile the embeddings, every block and the final norm as one function (a lever against train.py's
+    compilation of each block: sums and norms fused across the blocks' boundaries; a longer compilation)."""
+    import torch
+    model.encode = torch.compile(model.encode, backend=backend)
+
+
+def out_of_memory_row(args, s):
     """The row of a setting that did not fit: its sizes, and OOM where the numbers would be."""
-    return dict(preset=preset, phase=phase, seq_len=seq_len, micro=micro, tokens=micro * seq_len, backend="-",
-                peer_attention=args.peer_attention, ours="OOM", peer="OOM", loss_ours=None, loss_peer=None)
+    return dict(dataclasses.asdict(s), tokens=s.micro * s.seq_len, backend="-",
+                peer_attention=args.peer_attention if s.peer else "-", ours="OOM", peer="OOM" if s.peer else None,
+                loss_ours=None, loss_peer=None)
+
+
+def attention_rows(device, B=4, T=8192, H=12, D=64, window=64, warmup=3, repeats=10):
+    """One layer's attention, forward and backward in bf16 autocast's dtype, through each kernel this device has:
+    model.py's backends by name, and for the global layers PyTorch's SDPA with each of its fused kernels forced
+    (no mask: its flash, cuDNN and memory-efficient kernels all take one). Rows of (layer, kernel, ms, TFLOP/s by
+    model.flops_per_token's count: 12 d per key and token, forward and backward), or an error instead of the
+    numbers where a kernel refuses."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from machinery.kernels import BACKENDS
+    from model import mask_rule, reference_attention
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(B, T, H, D, generator=g).to(device, dtype) for _ in range(4))
+    layers = {"global, bidirectional": (False, False), "global, causal": (True, False),
+              "local, bidirectional": (False, True), "local, causal": (True, True)}
+    sdpa_kernels = {"sdpa: its flash kernel": SDPBackend.FLASH_ATTENTION, "sdpa: cuDNN": SDPBackend.CUDNN_ATTENTION,
+                    "sdpa: memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    rows = []
+    for layer, (causal, local) in layers.items():
+        keys = (window + 1 if causal else 2 * window + 1) if local else ((T + 1) / 2 if causal else T)
+        flops = 12 * H * D * keys * B * T
+        kernels = {name: (name, contextlib.nullcontext) for name, kind in BACKENDS.items()
+                   if name != "reference" and kind.trains(device) and kind.computes(device, dtype)}
+        if not local and device.type == "cuda":
+            kernels.update({name: ("sdpa", lambda b=b: sdpa_kernel([b])) for name, b in sdpa_kernels.items()})
+        for name, (backend, context) in kernels.items():
+            attn = BACKENDS[backend](B, T, device, causal, window, rule=mask_rule, reference=reference_attention)
+            leaves, out_grad = [attn.unpad(t).detach().requires_grad_() for t in (q, k, v)], attn.unpad(grad)
+
+            def step():
+                with context():
+                    torch.autograd.grad(attn.attend(*leaves, local), leaves, out_grad)
+            try:
+                (seconds, _), = interleaved([step], device, warmup, repeats)
+            except Exception as e:  # a kernel this device or these shapes refuse: said in the row
+                rows.append((layer, name, None, (str(e).strip().splitlines() or [type(e).__name__])[0][:160]))
+                continue
+            rows.append((layer, name, seconds * 1e3, flops / seconds / 1e12))
+    return rows
 
 
 def activation_memory(cfg, seq_len, micro, mask_rate=0.3):
@@ -457,21 +541,13 @@ def bench_train(args, rows=None):
             f"{'loss ours':>9} {'peer':>9}")
     print(head + "\n" + "-" * len(head))
     rows = [] if rows is None else rows
-    for preset in args.presets:
-        for seq_len in args.seq_lens:
-            for phase in args.phases:
-                for tokens in args.micro_tokens:
-                    micro = max(1, tokens // seq_len)
-                    try:
-                        row = measure(args, preset, phase, seq_len, micro)
-                    except Exception as e:  # a row too large for the device: the sweep goes on
-                        if not out_of_memory(e):
-                            raise
-                        row = out_of_memory_row(args, preset, phase, seq_len, micro)
-                    if args.device.type == "cuda":
-                        torch.cuda.empty_cache()  # what the row's models and batch held
-                    rows.append(row)
-                    print(format_row(row), flush=True)
+    settings = [Setting(preset, phase, seq_len, max(1, tokens // seq_len), args.backend, args.compile,
+                        args.deterministic, args.residual, loss=args.loss)
+                for preset in args.presets for seq_len in args.seq_lens for phase in args.phases
+                for tokens in args.micro_tokens]
+    for s in settings:
+        rows.append(measure_or_oom(args, s))
+        print(format_row(rows[-1]), flush=True)
     too_large = [f"{r['preset']} {r['phase']} {r['micro']} x {r['seq_len']}" for r in rows if r["ours"] == "OOM"]
     if too_large:
         message = (f"out of memory on {args.device} in {len(too_large)} of {len(rows)} rows ({', '.join(too_large)} "
@@ -480,12 +556,28 @@ def bench_train(args, rows=None):
             raise InputError(message)
         print(f"note: {message}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_text(args.json, json.dumps(rows, indent=1))
     return rows
 
 
+def measure_or_oom(args, s):
+    """measure(), or the row of a setting too large for the device: a sweep goes on past it."""
+    import torch
+    try:
+        return measure(args, s)
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        return out_of_memory_row(args, s)
+    finally:
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the row's models and batch held
+
+
 def cells(m):
-    """tokens/s, MFU and peak GiB of one side of a row, as text ('OOM' fills the first)."""
+    """tokens/s, MFU and peak GiB of one side of a row, as text ('OOM' fills the first; '-' where not timed)."""
+    if m is None:
+        return ["-", "-", "-"]
     if not isinstance(m, dict):
         return [m, "", ""]
     return [f"{m['tokens_per_s']:,.0f}", f"{m['mfu']:.1%}" if m["mfu"] is not None else "-",
@@ -582,115 +674,122 @@ def loss_bench(args):
 
 
 # ----------------------------------------------------------------------------
-# The GPU report: the gpu test suite and the train bench, in one markdown file
+# The GPU report: the gpu test suite, the attention kernels and the training step's levers, in one markdown file
+
+# What gpu-report times after the suite. The attention kernels at the paper's shape (base: 12 heads of 64), then the
+# training rows in the order they run (a row the time limit leaves out is listed as not run): the paper's step as
+# train.py runs it today, one lever at a time against it, then ours against transformers at 1,024 tokens.
+ATTENTION = dict(B=4, T=8192, H=12, D=64)
+TODAY = Setting("base", "mlm", 8192, 4, peer=False)
+LEVERS = [("today's step", TODAY), ("--backend=flex+sdpa", dataclasses.replace(TODAY, backend="flex+sdpa")),
+          ("today's step", dataclasses.replace(TODAY, phase="clm")),
+          ("--backend=flex+sdpa", dataclasses.replace(TODAY, phase="clm", backend="flex+sdpa")),
+          ("--backend=flash", dataclasses.replace(TODAY, backend="flash")),
+          ("against transformers", Setting("base", "mlm", 1024, 32)),
+          ("against transformers", Setting("base", "clm", 1024, 32)),
+          ("a bf16 residual stream", dataclasses.replace(TODAY, residual="bf16")),
+          ("flex+sdpa, bf16 residual, 8 a micro-batch", dataclasses.replace(TODAY, backend="flex+sdpa",
+                                                                           residual="bf16", micro=8)),
+          ("--backend=flex+sdpa against transformers", Setting("base", "mlm", 1024, 32, "flex+sdpa")),
+          ("inductor times its kernels", dataclasses.replace(TODAY, deterministic=False)),
+          ("8 sequences a micro-batch", dataclasses.replace(TODAY, micro=8)),
+          ("the whole encoder compiled", dataclasses.replace(TODAY, compile="model"))]
+ROW_SECONDS = 45  # a training row's compilation and steps, at most, on an H200 under gpu-report (a row needs this)
 
 
-def suite_results(junit):
-    """[(test, outcome, seconds, note)] from pytest's JUnit XML: outcome passed, failed, error or skipped;
-    note the skip reason or the failure's first line."""
-    results = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        module = case.get("classname", "").rsplit(".", 1)[-1]
-        outcome, note = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            found = case.find(tag)
-            if found is not None:
-                outcome, text = {"failure": "failed"}.get(tag, tag), (found.get("message") or found.text or "")
-                note = (text.strip().splitlines() or [""])[0]
-                break
-        results.append((f"{module}::{case.get('name')}", outcome, float(case.get("time", 0)), note))
-    return results
-
-
-def cell(text, limit=200):
-    """Text that stays inside one markdown table cell."""
-    text = " ".join(str(text).split())
-    return (text[:limit - 3] + "..." if len(text) > limit else text).replace("|", "\\|")
-
-
-def suite_section(results, command, seconds):
-    counts = {k: sum(r[1] == k for r in results) for k in ("passed", "failed", "error", "skipped")}
-    lines = [f"## `{command}`: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" in {seconds / 60:.1f} min",
-             "", "| test | result | seconds | note |", "|---|---|---:|---|"]
-    lines += [f"| {cell(t)} | {o} | {s:.1f} | {cell(n)} |" for t, o, s, n in results]
-    if not results:
-        lines.append("| (no JUnit results: the suite did not run to its end) | - | - | - |")
+def attention_section(rows, shape, device):
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    lines = [f"## Attention kernels: one layer, forward and backward, {shape['B']} x {shape['T']:,} tokens, "
+             f"{shape['H']} heads of {shape['D']}, {dtype}", "", "TFLOP/s by model.flops_per_token's count (12 d per "
+             "key and token, forward and backward; a causal global layer counts half its keys, a local one 129 or 65)."
+             " Median of 10 after 3 warm-ups.", "", "| layer | kernel | ms | TFLOP/s |", "|---|---|---:|---:|"]
+    for layer, kernel, ms, speed in rows:
+        lines.append(f"| {layer} | {kernel} | {ms:.2f} | {speed:.1f} |" if ms is not None
+                     else f"| {layer} | {kernel} | refused | {gpureport.cell(speed)} |")
     return "\n".join(lines) + "\n"
 
 
-def bench_section(rows, args, command, failure=None):
-    precision = "bf16 autocast" if args.device.type == "cuda" else "fp32"
-    lines = [f"## `{command}`: ours against transformers on the same device, weights, batch and optimizer",
-             "", f"{args.warmup} warm-up steps, then the median of {args.steps}; the two models' steps interleaved; "
-             f"{precision}; both models' blocks compiled: {args.compile}. Peak GiB: the model's weights and Adam state "
-             f"plus the most its step allocated. MFU: model.flops_per_token (attention included) against the "
-             f"GPU's dense bf16 peak. Loss: both models on the same first batch, before training.", "",
-             "| preset | phase | seq x micro | ours: attention | tok/s | MFU | peak GiB | transformers: attention "
-             "| tok/s | MFU | peak GiB | ratio | loss ours / transformers |",
-             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['preset']} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | "
-                     + " | ".join(cells(r["ours"])) + f" | {r['peer_attention']} | " + " | ".join(cells(r["peer"]))
-                     + f" | {ratio(r)} | {loss(r['loss_ours'])} / {loss(r['loss_peer'])} |")
-    if failure:
-        lines += ["", f"The bench stopped: `{cell(failure, 400)}`"]
+def levers_section(rows, args):
+    """The training rows: each against today's step of its phase and length, and against transformers."""
+    lines = ["## Training steps: the levers, each against today's step", "",
+             f"base, bf16 autocast, {args.warmup} warm-up steps then the median of {args.steps}; MFU against the GPU's "
+             "dense bf16 peak (model.flops_per_token, attention included); peak GiB: weights and Adam state plus the "
+             "most a step allocated. Loss: ours (and transformers') on the same first batch, before training.", "",
+             "| row | phase | seq x micro | attention | compile | inductor | residual | tok/s | MFU | peak GiB | "
+             "vs today's step | transformers: attention | tok/s | ratio | loss ours / transformers |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    today = {(r["phase"], r["seq_len"]): r for label, r in rows if label == "today's step" and r}
+    for label, r in rows:
+        if r is None:
+            lines.append(f"| {label} | | | | | | | not run: the time limit | | | | | | | |")
+            continue
+        base = today.get((r["phase"], r["seq_len"]))
+        timed = isinstance(r["ours"], dict) and base and isinstance(base["ours"], dict) and base is not r
+        versus = f"{r['ours']['tokens_per_s'] / base['ours']['tokens_per_s']:.2f}x" if timed else "-"
+        inductor = "deterministic" if r["deterministic"] else "timed"
+        lines.append(f"| {label} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | {r['compile']} | "
+                     f"{inductor} | {r['residual']} | " + " | ".join(cells(r["ours"])) + f" | {versus} | "
+                     f"{r['peer_attention']} | {cells(r['peer'])[0]} | {ratio(r)} | {loss(r['loss_ours'])} / "
+                     f"{loss(r['loss_peer'])} |")
     return "\n".join(lines) + "\n"
-
-
-def version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment(device):
-    """What ran the report: GPU, versions and the code's commit, as (name, value) pairs."""
-    import torch
-    p = torch.cuda.get_device_properties(device)
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            return ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return [("GPU", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}"),
-            ("PyTorch", f"{torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})"),
-            ("Triton", version("triton")), ("transformers", version("transformers")),
-            ("flash-attn", version("flash-attn")), ("Python", sys.version.split()[0]), ("code", commit + dirty)]
 
 
 def gpu_report(args):
-    """Runs the gpu test suite in a subprocess (its output streams to the terminal), then the train bench with
-    its GPU defaults in this process; writes one markdown file, whatever failed. Exit status 1 if anything did."""
-    started = datetime.datetime.now(datetime.timezone.utc)
+    """The gpu suite in processes of its own (each test's result kept as it ends), then in this process, alone on
+    the GPU, the attention kernels and the training rows (LEVERS), within --minutes: the suite gets half, a training
+    row starts only where ROW_SECONDS remain. One markdown file, rewritten after each part, whatever failed. Exit
+    status 1 if a test, a kernel or a row failed, or the time ran out."""
+    import torch
+    started, start = gpureport.now(), time.monotonic()
+    deadline = start + args.minutes * 60
     suite = SUITE if (args.workers or 1) == 1 else f"{SUITE} -n {args.workers}"
+    command = f"python bench.py gpu-report --out={args.out} --minutes={args.minutes:g}"
+    env = gpureport.environment(args.device)
+    train_args = argparse.Namespace(device=args.device, warmup=3, steps=10, peer_attention="auto")
+    parts = {}
+
+    def write():
+        minutes = (time.monotonic() - start) / 60
+        write_text(args.out, gpureport.header(started, command, minutes, args.minutes, env) + "\n"
+                   + "\n".join(parts.values()))
+
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "gpu.xml"
-        t0 = time.perf_counter()
-        code = subprocess.run([sys.executable, *suite.split()[1:], f"--junitxml={junit}"], cwd=HERE).returncode
-        seconds = time.perf_counter() - t0
-        results = suite_results(junit) if junit.is_file() else []
-    train_args = parser().parse_args([*BENCH.split()[2:], f"--threads={args.threads}"])
-    resolve(train_args)
-    rows, failure = [], None
+        code, seconds = gpureport.run_suite(suite, Path(tmp) / "results.jsonl", (deadline - start) / 2)
+        results = gpureport.suite_results(Path(tmp) / "results.jsonl")
+    parts["suite"] = gpureport.suite_section(results, suite, seconds, code is None)
+    write()
+    failures = [f"{r[0]}: {r[1]}" for r in results if r[1] in ("failed", "error")] + ["the suite's time ran out"] * (
+        code is None)
+    torch.set_num_threads(args.threads)
     try:
-        bench_train(train_args, rows)
-    except Exception as e:  # the report still says what the suite found, and the rows measured
+        kernels = attention_rows(args.device, **ATTENTION)
+        failures += [f"{layer} {kernel}: {note}" for layer, kernel, ms, note in kernels if ms is None]
+        parts["attention"] = attention_section(kernels, ATTENTION, args.device)
+    except Exception as e:  # the report still says what the suite found
         traceback.print_exc()
-        failure = f"{type(e).__name__}: {e}"
-    minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
-    header = [f"# GPU acceptance, {started:%Y-%m-%d %H:%M} UTC", "",
-              f"`python bench.py gpu-report --out={args.out}`: {minutes:.1f} minutes in all.", "",
-              "| | |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in environment(train_args.device)]
-    Path(args.out).write_text("\n".join(header) + "\n\n" + suite_section(results, suite, seconds) + "\n"
-                              + bench_section(rows, train_args, BENCH, failure))
-    bad = [r for r in results if r[1] in ("failed", "error")]
-    print(f"wrote {args.out}: {len(results)} tests, {len(bad)} failed; {len(rows)} bench rows"
-          + (f"; the bench stopped ({failure.splitlines()[0][:200]})" if failure else ""))
-    return 1 if bad or code not in (0, 5) or failure or not results else 0
+        failures.append(f"attention kernels: {type(e).__name__}: {e}")
+        parts["attention"] = f"## Attention kernels\n\nStopped: `{gpureport.cell(f'{type(e).__name__}: {e}', 400)}`\n"
+    write()
+    rows = []
+    for label, s in LEVERS:
+        if time.monotonic() + ROW_SECONDS > deadline:
+            rows.append((label, None))
+            failures.append(f"{label}: not run (time)")
+        else:
+            try:
+                rows.append((label, measure_or_oom(train_args, s)))
+                print(format_row(rows[-1][1]), flush=True)
+            except Exception as e:  # a lever that fails is a row that says so; the others still run
+                traceback.print_exc()
+                failures.append(f"{label}: {type(e).__name__}: {e}")
+                rows.append((label, dict(dataclasses.asdict(s), tokens=s.micro * s.seq_len, backend=s.backend,
+                                         peer_attention="-", ours=f"failed: {type(e).__name__}", peer=None,
+                                         loss_ours=None, loss_peer=None)))
+        parts["levers"] = levers_section(rows, train_args)
+        write()
+    print(f"wrote {args.out}: {len(results)} tests, {len(rows)} training rows, {len(failures)} problem(s)"
+          + "".join(f"\n  {f[:200]}" for f in failures))
+    return 1 if failures else 0
 
 
 # ----------------------------------------------------------------------------
@@ -721,6 +820,14 @@ def counts(top=None, least=1):
     return parse
 
 
+def compile_scope(text):
+    """argparse type: what bench.py train compiles (blocks, model or none; true and false as blocks and none)."""
+    scope = {"true": "blocks", "false": "none"}.get(text.lower(), text.lower())
+    if scope not in ("blocks", "model", "none"):
+        raise argparse.ArgumentTypeError("expected blocks, model or none (true: blocks, false: none)")
+    return scope
+
+
 def flag_bool(text):
     if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
         raise argparse.ArgumentTypeError("expected true or false")
@@ -745,9 +852,14 @@ def parser():
                    help="tokens per micro-batch, a sweep; None: 32768 on a GPU (the paper's 4 x 8192), 512 on a CPU")
     t.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator warm-up)")
     t.add_argument("--steps", type=positive_int, default=10, help="timed steps of each model; the median counts")
-    t.add_argument("--compile", type=flag_bool, default=None,
-                   help="torch.compile our blocks, as train.py does, and the peer's; None: on CUDA, not on a CPU (where it measured "
-                        "1.01-1.05x for 11 s or more of compilation)")
+    t.add_argument("--compile", type=compile_scope, default=None,
+                   help="blocks (or true): torch.compile each block, as train.py does, the peer's too; model: our "
+                        "whole encoder in one graph; none (or false). None: blocks on CUDA, none on a CPU (where "
+                        "blocks measured 1.01-1.05x for 11 s or more of compilation)")
+    t.add_argument("--deterministic", type=flag_bool, default=True,
+                   help="inductor's deterministic mode, as train.py sets it (false: it times its kernels' settings)")
+    t.add_argument("--residual", default="fp32", choices=["fp32", "bf16"],
+                   help="the residual stream's dtype under bf16 autocast (bf16: the embeddings' output cast once)")
     t.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="our attention backend")
     t.add_argument("--loss", default="fused", choices=LOSSES,
                    help="our loss (train.py's --loss); fused: as docs/gpu.md's tables were measured")
@@ -762,6 +874,8 @@ def parser():
                    help="a tokenizer.json that data.py loads")
     d.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; the median counts")
     g.add_argument("--out", default="gpu-report.md", help="the markdown file to write")
+    g.add_argument("--minutes", type=positive_float, default=9.0,
+                   help="the time it may take: half for the suite, then the kernels and the training rows that fit")
     g.add_argument("--workers", type=positive_int,
                    help="test processes sharing the GPU (pytest-xdist's -n); None: half the cores, at most 8, where "
                         "pytest-xdist is installed (8 on a 16-core H200: the suite in 3 min, against some 16 min of "
@@ -789,6 +903,7 @@ def resolve(args):
         if not torch.cuda.is_available():
             raise InputError("gpu-report needs a CUDA device, and this machine has none (torch.cuda.is_available() "
                              "is False); run it where a GPU is")
+        args.device = torch.device("cuda", torch.cuda.current_device())
         return
     if args.command == "data":
         if not args.corpus.exists():
@@ -823,7 +938,7 @@ def resolve(args):
     for key, value in (GPU_DEFAULTS if args.device.type == "cuda" else CPU_DEFAULTS).items():
         setattr(args, key, getattr(args, key) or value)
     if args.compile is None:
-        args.compile = args.device.type == "cuda"
+        args.compile = "blocks" if args.device.type == "cuda" else "none"
 
 
 def main(argv=None):

@@ -6,6 +6,7 @@ Data for continued pretraining of ModernBERT, top to bottom: text in, token file
         --out data/mix --mix a=0.7,b=0.3
     python data.py tokenizer --input a.jsonl --vocab_size 8192 --out tok8k.json  # a small BPE
     python data.py code --out data/code.jsonl --heldout data/code-heldout.jsonl  # a new domain: stdlib code
+    python data.py fetch --out data/bio   # the studies' corpus, tasks and held-out texts, from public sources
 
 1. Packing: a .bin is its documents end to end, each [CLS] tokens [SEP], and a sequence is any
    window of seq_len tokens, across documents (document_ids tells them apart where attention should).
@@ -29,14 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from machinery import datacli
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    datacli.check_command_line(__doc__)
+
 import numpy as np
 import torch
 
-from machinery import datacli
 from machinery.cli import InputError, run, usable_cores
 from machinery.prepare import (Workers, check_prepare_args, describe, find_sources, publish, tokenize, worker_count,
                                workspace, write_documents)
 from machinery.tokenfiles import check_tokenizer, load_meta, split_tokens  # noqa: F401 (train.py's data.check_tokenizer)
+from machinery.tokenfiles import check_same_tokens, file_digest
 from machinery.tokenizer import Tokenizer, is_int, load_tokenizer
 
 
@@ -88,7 +94,8 @@ class Loader:
         self.meta = load_meta(data_dir)
         self.path, self.dtype = Path(data_dir) / f"{split}.bin", np.dtype(self.meta["dtype"])
         self.n_tokens = split_tokens(data_dir, self.meta, split)
-        self.checked = self.path.stat()  # the file whose size and ids were checked
+        self.checked = self.path.stat()  # the file whose size, ids and fingerprint were checked
+        self.sample_sha256 = self.meta["splits"][split].get("sample_sha256")  # None: a meta.json older than it
         if seq_len > self.n_tokens:
             raise InputError(f"{self.path}: seq_len {seq_len} is longer than the data "
                              f"({self.n_tokens} tokens)")
@@ -132,6 +139,10 @@ class Loader:
             if now.st_size < self.n_tokens * self.dtype.itemsize:
                 raise InputError(f"{self.path}: no longer holds its {self.n_tokens} tokens: it was "
                                  f"cut after this run checked it")
+            if now.st_mtime_ns != self.checked.st_mtime_ns:  # in place: no read of the tokens to see it
+                raise InputError(f"{self.path}: written to after this run checked it: its windows may "
+                                 f"not be the ones checked. The last checkpoint is kept; --resume "
+                                 f"checks the file again")
             tokens = np.memmap(f, self.dtype, "r", shape=(self.n_tokens,))
         if self.random_reads and hasattr(mmap, "MADV_RANDOM"):
             tokens.base.madvise(mmap.MADV_RANDOM)  # tokens.base: the mmap np.memmap made
@@ -188,7 +199,8 @@ class Loader:
 
     def state_dict(self):
         assert self.micro_step == 0, "state_dict() is only meaningful at an optimizer-step boundary"
-        return {"sequence": self.sequence, **{k: getattr(self, k) for k in self.MATCH}}
+        return {"sequence": self.sequence, **{k: getattr(self, k) for k in self.MATCH},
+                "sample_sha256": self.sample_sha256}  # which tokens: a resume reads these again
 
     def load_state_dict(self, state, where="the loader state"):
         """Continue at a saved position. The state was read from a file: every field is checked."""
@@ -203,6 +215,7 @@ class Loader:
             mine = getattr(self, key)
             require(key, lambda v: type(v) is type(mine) and v == mine,
                     f"{mine!r}, as this loader has (other data, seq_len or seeds: other batches)")
+        check_same_tokens(state.get("sample_sha256"), self.sample_sha256, self.path, where)
         self.sequence, self.micro_step, self.ahead = state["sequence"], 0, None
 
 
@@ -312,6 +325,8 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                                      np.random.default_rng([seed, len(sources), split == "val"]),
                                      pool)
                   for split, chosen in (("train", train), ("val", val))}
+        for split, counts in splits.items():  # the tokens' fingerprint, checked whenever they are read
+            counts["sample_sha256"] = file_digest(tmp / f"{split}.bin", dtype, counts["tokens"])
         # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
         spec = Path(tokenizer.spec)
         meta = dict(format=1, dtype=dtype.name, vocab_size=tokenizer.vocab_size,

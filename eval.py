@@ -8,7 +8,7 @@ a seed-noise band), what they are worth downstream (fine-tuning), and how well i
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
     python eval.py table mlm-r1.json,mlm-r2.json clm-r1.json,clm-r2.json  # arms compared
     python eval.py mlm RUN --data=data/demo
-    python eval.py curves out/clm out/mlm --out=out/curves.png
+    python eval.py curves out/clm out/mlm --out=out/curves.png   # one run: its loss.png drawn again
     python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
 A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. This file
@@ -152,8 +152,8 @@ def cka(model_a, model_b, texts, controls=(), names=None, n=500, seeds=(42, 43, 
     pool = read_texts(texts, n)  # at least n, and 3 distinct: of 2 texts CKA is 1 whatever the models
     paths = [*a_runs, *b_runs, *controls]
     infos = distinct_models(paths, ModernBERT, same_ok=(0, len(a_runs)))  # A against itself: 1 - CKA = 0
-    check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
+    check_outputs("--out", [out, Path(out).with_suffix(".png")], [texts, *model_files(infos, toks)])
     device = pick_device(device)
     draws = {s: np.random.default_rng(s).choice(len(pool), n, replace=False) for s in seeds}
     union = np.unique(np.concatenate(list(draws.values())))  # each text through each model once
@@ -597,10 +597,11 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     contents and the code (every script and machinery module): a later call reuses exactly the pairs
     whose inputs and code did not change."""
     tasks = read_tasks(tasks, seeds)  # every input error surfaces before any training
-    check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds")])
     splits = {t["name"]: carve_dev(t, dev_min) for t in tasks}  # a bad --dev_min ends here too
     info = inspect_model(model, ModernBERT)
     tok = model_tokenizer(info, tokenizer)
+    check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds"),
+                                   *model_files([info], [tok])])
     device, seed_dir = pick_device(device), seed_folder(out)  # a folder that cannot be written: here
     base = load_weights(info, device)
     s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)
@@ -687,10 +688,11 @@ def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
     return losses
 
 
-def curves(runs, out, names=None):
-    """Several runs' loss curves on shared axes, one colour per run (machinery/curves.py)."""
-    from machinery.curves import draw_runs  # matplotlib: only this command needs it
-    return draw_runs([str(r) for r in runs], str(out), names=names)
+def curves(runs, out=None, names=None):
+    """Loss curves (machinery/curves.py): one run's picture across the phases it continues (its loss.png unless
+    --out names another), or several runs on shared axes, one colour per run."""
+    from machinery.curves import draw  # matplotlib: only this command needs it
+    return draw([str(r) for r in runs], out and str(out), names)
 
 
 # ----------------------------------------------------------------------------

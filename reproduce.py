@@ -1,9 +1,10 @@
 """Two papers' comparisons, each in one command, at a smoke, a CPU and the paper's scale, with a report.
 
+    python data.py fetch --out data/bio                   # once: the corpus, tasks and held-out texts (--data)
     python reproduce.py --scale=smoke --out=out/smoke --jobs=2                    # the CLM detour: the pipeline works
     python reproduce.py --study=biphasic --scale=smoke --out=out/bi --jobs=2      # CLM then MLM from scratch
     python reproduce.py --scale=cpu --out=out/detour-cpu --jobs=2                 # about 3 h of 2 CPU cores
-    python reproduce.py --scale=paper --out=out/paper --dry_run                   # print every command, check inputs
+    python reproduce.py --scale=paper --out=out/paper --dry_run                   # every command, its cost, the power
 
 Every arm is trained --replicates times (default: 2 at smoke, 3 at cpu and paper scale). Replicate r of every arm
 shares its training seed (17 + r - 1) and its data-order seed (42 + r - 1) with replicate r of the other arms, so
@@ -42,22 +43,25 @@ the ones in OUT (another scale, corpus, start, task file, flag, or edited code) 
 differ or the code: use a new --out. Refused rather than re-run in
 place, because re-running would delete the finished runs of the first command, and a report must never mix two.
 """
+import argparse
 import json
 import math
-import re
 import statistics
+import re
 import sys
 import time
 from pathlib import Path
 
+from machinery import sources
 from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
-                           write_json)
+                           write_json, write_text)
+from machinery.hf import hub_id_problem
+from machinery.planfiles import read_components  # a report's variance components, checked field by field
 from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parent / "shared" / "data"  # where the real data lives beside a checkout (never copied in)
-TASKS = [SHARED / "tasks" / t for t in ("ncbi_disease", "chemprot", "pubmedqa")]
-HELDOUT = SHARED / "heldout" / "pubmedqa_abstracts.jsonl"  # CKA's texts: no model trained on them
+SHARED = HERE.parent / "shared" / "data"  # this project's machines keep the data beside a checkout (never copied in)
+DATA = SHARED if SHARED.is_dir() else Path("data/bio")  # elsewhere, where `python data.py fetch` writes them
 
 # -----------------------------------------------------------------------------
 # Scales. Budgets in tokens (detour) or optimizer steps of the recipe (biphasic); `replicates`: pretraining runs
@@ -241,26 +245,27 @@ def detour_plan(s, out, a):
                              for name in ("mlm", "clm", "mlm-control"))
         stages.append(Stage(f"cka-{when}", python(
             "eval.py", "cka", ",".join(str(runs / m) for m in mlm), ",".join(str(runs / m) for m in clm),
-            *(f"--control={runs / m}" for m in control), f"--texts={HELDOUT}",
+            *(f"--control={runs / m}" for m in control), f"--texts={a.heldout}",
             *(f"--{k}={v}" for k, v in s["cka"].items()), "--names=MLM,CLM",
-            f"--out={out / f'cka-{when}.json'}"), mlm + clm + control, [HELDOUT]))
-    stages.append(needle_stage(s, out, R))
+            f"--out={out / f'cka-{when}.json'}"), mlm + clm + control, [a.heldout]))
+    stages.append(needle_stage(s, out, R, a.heldout))
     return stages + finetune_stages(s, out, a.tasks, "detour", R)
 
 
-def needle_stage(s, out, R):
+def needle_stage(s, out, R, heldout):
     """eval.py needle on every final model of every replicate, an arm's replicates together, at the lengths the
-    scale's models were trained for: powers of two from the scale's shortest up to its recipe's seq_len."""
+    scale's models were trained for: powers of two from the scale's shortest up to its recipe's seq_len; its
+    haystacks are the `heldout` texts."""
     finals = [[replicate(m, r) for r in range(1, R + 1)] for m in FINAL["detour"]]
     seq_len, lengths = trained_length(s["recipe"]), [s["needle"]["shortest"]]
     while lengths[-1] * 2 <= seq_len:
         lengths.append(lengths[-1] * 2)
     arms = [",".join(str(out / "runs" / m) for m in arm) for arm in finals]
     return Stage("needle", python("eval.py", "needle", *arms, f"--names={','.join(FINAL['detour'])}",
-                                  f"--texts={HELDOUT}", f"--lengths={','.join(map(str, lengths))}",
+                                  f"--texts={heldout}", f"--lengths={','.join(map(str, lengths))}",
                                   f"--depths={s['needle']['depths']}", f"--n={s['needle']['n']}",
                                   f"--out={out / 'needle.json'}"),
-                 [m for arm in finals for m in arm], [HELDOUT])
+                 [m for arm in finals for m in arm], [heldout])
 
 
 def trained_length(recipe):
@@ -357,6 +362,52 @@ def gpu_hours(stages, s, start):
     return hours
 
 
+def costs(a, s, stages, seeds=None):
+    """(unit, {stage: hours}, how it was estimated) in the machine's own terms: H100 GPU-hours of the trainings at
+    the paper's scale (gpu_hours), CPU hours of every stage at a scale with a committed report that measured them
+    (measured_hours), nothing at another. seeds: that many fine-tuning seeds instead of the scale's (a fine-tuning
+    stage trains each seed in turn)."""
+    if a.scale == "paper":
+        return "H100 GPU-hours", gpu_hours(stages, s, a.start or s.get("start")), (
+            f"an estimate: model FLOPs at {MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning "
+            f"and CKA not counted")
+    source = HERE / "docs" / f"{a.study}-{a.scale}" / "report.json"
+    if not source.is_file():
+        return None, {}, ""
+    hours, wall = measured_hours(stages, source)
+    more = seeds / len(str(s["ft"]["seeds"]).split(",")) if seeds else 1  # the seeds a stage trains, against then
+    hours = {name: h * (more if name.startswith("finetune-") else 1) for name, h in hours.items()}
+    return "CPU hours", hours, (
+        f"measured: {source.relative_to(HERE)}, a stage's mean over its replicates there, each stage on one of the "
+        f"{MEASURED_CORES} cores of the development machine" + (", the start model on both" if any(
+            st.solo for st in stages) else "") + f"; that run took {wall / 3600:.1f} h of wall time with "
+        f"--jobs={MEASURED_CORES}; {len(hours)} of {len(stages)} stages measured")
+
+
+def amount(hours):
+    """Hours to three significant digits, in plain figures (1010, not 1.01e+03)."""
+    return f"{hours:.0f}" if hours >= 100 else f"{hours:.3g}"
+
+
+MEASURED_CORES = 2  # the committed reports were made with --jobs=2 on a 2-core machine: a stage had one core
+
+
+def kind(stage):
+    """A stage's name without its replicate: clm-r2 -> clm, finetune-mlm-r3-lr0.0005 -> finetune-mlm-lr0.0005."""
+    return re.sub(r"-r\d+(?=-|$)", "", stage)
+
+
+def measured_hours(stages, source):
+    """({stage: CPU hours}, the source's wall seconds): per stage of this plan, the mean time of the stages of its
+    kind in a committed report.json, times the cores it had (a solo stage: every one)."""
+    times = read_json(source, "a report.json of reproduce.py").get("time") or {}
+    seconds = {}
+    for name, t in (times.get("stages") or {}).items():
+        seconds.setdefault(kind(name), []).append(t)
+    return ({st.name: statistics.mean(seconds[kind(st.name)]) * (MEASURED_CORES if st.solo else 1) / 3600
+             for st in stages if kind(st.name) in seconds}, times.get("wall", 0))
+
+
 def start_tokenizer(start):
     """The tokenizer a --start checkpoint was trained with: its tokenizer.json, or its hub id."""
     local = Path(start) / "tokenizer.json"
@@ -369,24 +420,16 @@ def start_tokenizer(start):
 # sets (machinery/compare.py: `project`, `needed`).
 
 
-def read_components(path):
-    """{task: [variance components of each fine-tuning difference]} of a report.json reproduce.py wrote."""
-    rep = read_json(path, "a report.json of reproduce.py")
-    found = {}
-    for comparison in (rep.get("finetune") or {}).values() if isinstance(rep, dict) else ():
-        for task, t in comparison.get("tasks", {}).items():
-            for row in t["arms"].values():
-                if isinstance(row.get("difference"), dict) and row["difference"].get("components"):
-                    found.setdefault(task, []).append(row["difference"]["components"])
-    if not found:
-        raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
-                         f"them, or one without fine-tuning); name a report.json of this version")
-    return rep, found
+def test_examples(rep, task):
+    """The test examples a task had in a report.json (where its folder is not here), or None."""
+    return next((c["tasks"][task]["test_examples"] for c in (rep.get("finetune") or {}).values()
+                 if task in c.get("tasks", {}) and "test_examples" in c["tasks"][task]), None)
 
 
-def power_plan(a, s):
+def power_plan(a, s, price=lambda **_: ""):
     """Print, per task, the difference this plan would detect with 80% power (the mean of the source report's
-    components over its compared arms, and the range over them), and with --detect what would reach that."""
+    components over its compared arms, and the range over them), and with --detect what would reach that and what
+    it costs (price(replicates=n) or price(seeds=n): words)."""
     from machinery.compare import needed, project
     from machinery.tasks import read_task
     source = Path(a.components) if a.components else HERE / "docs" / f"{a.study}-cpu" / "report.json"
@@ -405,7 +448,11 @@ def power_plan(a, s):
           f"(scale {rep.get('scale')}, measured at that run's model and fine-tuning budget; another budget changes "
           f"them):")
     for folder in a.tasks:
-        name, total = Path(folder).name, len(read_task(folder)["test"])
+        name = Path(folder).name
+        total = len(read_task(folder)["test"]) if Path(folder).exists() else test_examples(rep, name)
+        if total is None:
+            print(f"  {name}: not found, and the source report holds no comparison on it")
+            continue
         N = min(total, s["ft"].get("test_subset") or total)
         if name not in found:
             print(f"  {name}: the source report holds no comparison on it")
@@ -420,9 +467,12 @@ def power_plan(a, s):
               f"{100 * min(each):.1f} to {100 * max(each):.1f} over the source's {len(each)} compared arms)")
         if a.detect:
             need = needed(pooled, a.detect / 100, R, S, N, total)
-            ways = [f"{need['replicates']} replicates" if need["replicates"] else "no number of replicates up to 200",
-                    f"{need['seeds']} seeds" if need["seeds"] else "no number of seeds up to 200",
-                    f"{need['examples']} test examples" if need["examples"] else
+            ways = [f"{need['replicates']} replicates{price(replicates=need['replicates'])}" if need["replicates"]
+                    else "no number of replicates up to 200",
+                    f"{need['seeds']} seeds{price(seeds=need['seeds'])}" if need["seeds"]
+                    else "no number of seeds up to 200",
+                    f"{need['examples']} test examples (the same trainings, more of the test set scored)"
+                    if need["examples"] else
                     f"not with test examples alone (all {total} the task holds give "
                     f"{100 * need['all_examples']:.1f} points)"]
             print(f"    to detect {a.detect:g} points, one change at a time: " + "; or ".join(ways))
@@ -455,7 +505,7 @@ def report(out, study, scale, s, stages, plan, R):
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
     rep["figures"] = [f for f in [render.study_figure(out / "report.png", rep, spec, s["lrs"])] if f]
     write_json(out / "report.json", finite(rep))
-    (out / "report.md").write_text(render.study_markdown(rep, spec))
+    write_text(out / "report.md", render.study_markdown(rep, spec))
     print(f"report: {out / 'report.md'}, {out / 'report.json'}" + "".join(f", {out / f}" for f in rep["figures"]))
 
 
@@ -484,9 +534,9 @@ def needle_summary(path):
     its time (the report's time section has every stage's)."""
     r = {k: v for k, v in read_json(path, "eval.py needle's result").items() if k != "seconds"}
     for arm in r["arms"].values():
-        for run in arm["replicates"]:
-            run["cells"] = {length: {c: {k: v for k, v in cell.items() if not k.endswith("_each")}
-                                     for c, cell in row.items()} for length, row in run["cells"].items()}
+        for one in arm["replicates"]:
+            one["cells"] = {length: {c: {k: v for k, v in cell.items() if not k.endswith("_each")}
+                                     for c, cell in row.items()} for length, row in one["cells"].items()}
     return r
 
 
@@ -626,15 +676,19 @@ def parse(argv):
                         "needs 3)")
     parser.add_argument("--out", required=True, help="the experiment directory (plan, runs, logs, report); new, "
                         "empty, or made by this same command")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="stages run side by side (CPU: one per core)")
+    parser.add_argument("--jobs", type=positive_int, default=None, help="stages run side by side (CPU: one per core; "
+                        "default: 1)")
     parser.add_argument("--gpus", type=positive_int, default=None, help="processes per training, through torchrun "
                         "when more than 1 (default: the GPUs present at --scale=paper, else 1)")
     parser.add_argument("--start", default=None, help="detour: the start checkpoint, a model directory or a hub id "
                         "(default: answerdotai/ModernBERT-base at --scale=paper; smoke and cpu pretrain their own)")
-    parser.add_argument("--corpus", nargs="+", default=[str(SHARED / "corpus" / "e3c_en_clinical_cases.jsonl")],
-                        help="the training corpus: .jsonl, .txt or .parquet files")
-    parser.add_argument("--tasks", nargs="+", default=[str(t) for t in TASKS],
-                        help="fine-tuning task folders (train/dev/test .jsonl or .tsv)")
+    parser.add_argument("--data", default=str(DATA), help="the studies' data: a folder that holds corpus/, heldout/ "
+                        "and tasks/ as `python data.py fetch --out=DIR` writes them from their public sources "
+                        f"(default: {SHARED} where it exists, else data/bio)")
+    parser.add_argument("--corpus", nargs="+", help="the training corpus: .jsonl, .txt or .parquet files (default: "
+                        f"DATA/{sources.CORPUS})")
+    parser.add_argument("--tasks", nargs="+", help="fine-tuning task folders, train/dev/test .jsonl or .tsv (default: "
+                        f"DATA/tasks/{', '.join(sources.TASKS)})")
     parser.add_argument("--dry_run", action="store_true", help="check the inputs and OUT, print every command and "
                         "what the plan can detect; run nothing, write nothing")
     parser.add_argument("--components", default=None, help="--dry_run: the report.json of a finished run whose "
@@ -643,17 +697,36 @@ def parse(argv):
     parser.add_argument("--detect", type=positive_float, default=None, help="--dry_run: a true difference in points (x100 of "
                         "a task's metric, e.g. 2.8) to detect with 80%% power: says how many replicates, seeds or test "
                         "examples would")
-    return parser.parse_args(argv)
+    a = parser.parse_args(argv)
+    data = Path(a.data)
+    a.corpus = a.corpus or [str(data / sources.CORPUS)]
+    a.tasks = a.tasks or [str(data / "tasks" / task) for task in sources.TASKS]
+    a.heldout = data / sources.HELDOUT  # the detour's CKA and needle texts: no model trains on them
+    return a
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What one mode reads and the other does not: given to the other, a flag would be ignored without a word.
+DRY_RUN_ONLY = {"components": "the report whose variance components the plan is projected with",
+                "detect": "the difference the plan should detect"}
+RUN_ONLY = {"jobs": "stages run side by side"}
 
 
 def check_inputs(a):
-    """Every input before anything runs: one InputError listing all that is wrong."""
-    problems = []
+    """Every input before anything runs: one InputError listing all that is wrong. The files of --data that are not
+    there are returned: a dry run goes on without them and says so; a run is refused, saying where they come
+    from."""
+    other = RUN_ONLY if a.dry_run else DRY_RUN_ONLY  # the flags this mode does not read
+    how = "is read by a run alone ({}): --dry_run runs nothing; leave it out" if a.dry_run else \
+        "is read by --dry_run alone ({}): add --dry_run to see it, or leave it out of a run"
+    problems = [f"--{flag}={getattr(a, flag)} {how.format(what)}" for flag, what in other.items()
+                if getattr(a, flag) is not None]
+    data = Path(a.data).resolve()
+    missing = [str(p) for p in [*a.corpus, *a.tasks, *([a.heldout] if a.study == "detour" else [])]
+               if Path(p).resolve().is_relative_to(data) and not Path(p).exists()]
     for i, c in enumerate(a.corpus):
         p = Path(c)
+        if c in missing:
+            continue
         if not p.is_file() or p.suffix not in (".jsonl", ".txt", ".parquet"):
             problems.append(f"--corpus {c}: " + ("expected a .jsonl, .txt or .parquet file" if p.is_file() else
                                                  "not a file" if p.exists() else "not found"))
@@ -664,27 +737,31 @@ def check_inputs(a):
     for t in a.tasks:
         kinds = {ext for ext in (".tsv", ".jsonl") if all((Path(t) / f"{s}{ext}").is_file()
                                                          for s in ("train", "dev", "test"))}
-        if len(kinds) != 1:
+        if len(kinds) != 1 and t not in missing:
             problems.append(f"--tasks {t}: expected a folder with train, dev and test .jsonl (or .tsv) files")
     names = [Path(t).name for t in a.tasks]
     if len(set(names)) < len(names):
         problems.append(f"--tasks: two folders share a name ({', '.join(names)}); results are kept by task name")
-    if a.study == "detour" and not HELDOUT.is_file():
-        problems.append(f"{HELDOUT}: not found (CKA's held-out texts live in ../shared/data)")
     if a.start is not None and a.study != "detour":
         problems.append(f"--start={a.start}: the {a.study} study trains from scratch; --start is for --study=detour")
     elif a.start is not None and Path(a.start).exists():
-        missing = [f for f in ("config.json", "tokenizer.json") if not (Path(a.start) / f).is_file()]
-        if missing:
-            problems.append(f"--start={a.start}: not a model directory (no {' or '.join(missing)})")
-    elif a.start is not None and not HUB_ID.fullmatch(a.start):
-        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name)")
+        lacks = [f for f in ("config.json", "tokenizer.json") if not (Path(a.start) / f).is_file()]
+        if lacks:
+            problems.append(f"--start={a.start}: not a model directory (no {' or '.join(lacks)})")
+    elif a.start is not None and hub_id_problem(a.start):
+        problems.append(f"--start={a.start}: not found (expected a model directory or a hub id like org/name: "
+                        f"{hub_id_problem(a.start)})")
+    if missing and not a.dry_run:
+        shown_ = ", ".join(str(Path(p).relative_to(Path(a.data))) for p in missing)
+        problems.append(f"--data={a.data}: it lacks {shown_}; {sources.how_to_get(a.data)}; or --data names a "
+                        f"folder that holds them (--corpus and --tasks name files of your own)")
     if problems:
         raise InputError("; ".join(problems))
-    check_contents(a)
+    check_contents(a, missing)
+    return missing
 
 
-def check_contents(a):
+def check_contents(a, missing=()):
     """What the stages will read, read now by the code they read it with: every task folder (a task the
     fine-tuning would refuse hours later is refused here) and a local --start (its config, weights and
     tokenizer)."""
@@ -692,7 +769,7 @@ def check_contents(a):
     from model import ModernBERTConfig
     from machinery.tokenizer import load_tokenizer
     problems = []
-    for t in a.tasks:
+    for t in (t for t in a.tasks if t not in missing):
         try:
             read_task(t)
         except InputError as e:
@@ -712,32 +789,22 @@ def check_contents(a):
 
 def main(argv=None):
     a = parse(argv)
-    check_inputs(a)
+    missing = check_inputs(a)  # the files of --data that are not there: only a dry run goes on without them
     scales, plan_of = STUDIES[a.study]
     s, out = scales[a.scale], Path(a.out).resolve()
-    a.nproc = a.gpus or (gpu_count() if a.scale == "paper" else 1) or 1
-    if a.gpus and not a.dry_run and 0 < gpu_count() < a.gpus:
+    a.nproc, a.jobs = a.gpus or (gpu_count() if a.scale == "paper" else 1) or 1, a.jobs or 1
+    if a.gpus and 0 < gpu_count() < a.gpus:  # a dry run too: it checks what the run would meet
         raise InputError(f"--gpus={a.gpus}: this machine has {gpu_count()} GPU(s)")
     a.corpus, a.tasks = [Path(c).resolve() for c in a.corpus], [Path(t).resolve() for t in a.tasks]
+    a.heldout = a.heldout.resolve()
     if a.start and Path(a.start).exists():  # stages run from the repository root
         a.start = str(Path(a.start).resolve())
     a.replicates = a.replicates or s["replicates"]
+    if a.dry_run:
+        return dry_run(a, s, out, plan_of, missing)
     stages = plan_of(s, out, a)
     plan = fingerprint(stages, out, a.study, a.scale)
     check_out(out, plan)
-    if a.dry_run:
-        finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
-        hours = gpu_hours(stages, s, a.start or s.get("start"))
-        for st in stages:
-            cost = f"   (~{hours[st.name]:.3g} H100 GPU-hours)" if st.name in hours else ""
-            print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
-        power_plan(a, s)
-        print(f"the trainings: ~{sum(hours.values()):.3g} H100 GPU-hours in all (an estimate: model FLOPs at "
-              f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")
-        if a.start and not Path(a.start).exists():
-            print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
-        print(f"{len(stages)} stages ({len(finished)} finished in {out}); inputs checked; nothing was run (--dry_run)")
-        return
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / "plan.json").exists():
@@ -749,6 +816,45 @@ def main(argv=None):
     run(stages, out, plan, a.jobs, usable_cores())
     report(out, a.study, a.scale, s, stages, plan, a.replicates)
     print(f"all stages finished; this invocation took {time.time() - t0:.0f} s")
+
+
+def dry_run(a, s, out, plan_of, missing):
+    """Every command with its cost in the machine's own terms, what the plan can detect (and with --detect, what
+    would detect that and at what cost), what is missing; run nothing, write nothing. Without the data, OUT is not
+    checked against the plan: the stages' fingerprints hash the data's content."""
+    stages, finished = plan_of(s, out, a), set()
+    if not missing:
+        plan = fingerprint(stages, out, a.study, a.scale)
+        check_out(out, plan)
+        finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
+    unit, hours, how = costs(a, s, stages)
+    for st in stages:
+        cost = f"   (~{amount(hours[st.name])} {unit})" if st.name in hours else ""
+        print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
+
+    def price(replicates=a.replicates, seeds=None):
+        """What this plan with another number of replicates or fine-tuning seeds costs, against what it costs."""
+        if a.scale == "paper" and seeds:
+            return " (fine-tuning runs: the GPU-hours estimate leaves them out)"
+        if not unit:
+            return ""
+        plan = plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": replicates}))
+        other = sum(costs(a, s, plan, seeds)[1].values())
+        more = other - sum(hours.values())
+        return f" (~{amount(other)} {unit} in all, {amount(more)} more)" if more > 0 else \
+            f" (this plan's ~{amount(other)} {unit})"
+    power_plan(a, s, price)
+    if unit:
+        print(f"{'the trainings' if a.scale == 'paper' else 'the stages'}: ~{amount(sum(hours.values()))} {unit} in "
+              f"all ({how})")
+    if a.start and not Path(a.start).exists():
+        print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
+    if missing:
+        print(f"missing: {', '.join(missing)}; {sources.how_to_get(a.data)}. The run needs them; this plan is "
+              f"shown without them")
+        return print(f"{len(stages)} stages; not checked: the {len(missing)} missing input(s) above, and {out} "
+                     f"against the plan (its fingerprints read them); nothing was run (--dry_run)")
+    print(f"{len(stages)} stages ({len(finished)} finished in {out}); inputs checked; nothing was run (--dry_run)")
 
 
 def gpu_count():

@@ -20,12 +20,17 @@ import sys
 import time
 from dataclasses import dataclass
 
+from machinery import flags
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    flags.check_command_line(__file__)
+
 import torch
 import torch.distributed as dist
 
 import data
 import freeze
-from machinery import cli, datacli, flags, kernels, progress, rundir, tracking
+from machinery import cli, datacli, kernels, progress, rundir, tracking
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
 from machinery.rundir import GracefulStop, RunDir, check_savable, code_version, rng_state, set_rng_state
 from model import BACKENDS, IGNORE_INDEX, LOSSES, PRESETS, ModernBERT, ModernBERTConfig
@@ -90,6 +95,7 @@ class Config:
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes
     dtype: str = "bfloat16"  # autocast dtype on CUDA (bfloat16 or float32); a CPU runs fp32
     compile: bool = True  # torch.compile each block (CUDA only)
+    deterministic: bool = True  # inductor's kernel settings chosen, not timed: --resume repeats bit for bit
     backend: str = "auto"  # attention: auto, or a row of BACKENDS
     loss: str = "plain"  # plain: model.py's cross_entropy as written | fused: the same in row chunks (less memory)
     ddp_timeout: int = 900  # seconds a process waits for the others before the job stops
@@ -394,12 +400,12 @@ def init_processes(given):
     there are others to meet. Returns (rank, world, local_world, device)."""
     timeout = flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout))
     rank, world, local_rank, local_world = cli.processes()
-    device = cli.pick_device(given.get("device", Config.device), local_rank)
+    device = cli.pick_device(given.get("device", Config.device), local_rank, local_world=local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if world > 1:  # device_id: NCCL binds this rank to its GPU now, not at its first collective
-        with cli.rendezvous(rank, world, timeout):
+        with cli.rendezvous(rank, world, timeout, device):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return rank, world, local_world, device
@@ -448,6 +454,7 @@ def setup(given):
             dataclasses.replace(cfg, preset=preset), meta), PRESETS)
         progress.architecture(model.config, source, unlike or {})
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
+    kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises
     if cfg.compile and device.type in COMPILERS:
         kernels.compile_blocks(model, COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
@@ -455,7 +462,7 @@ def setup(given):
     if run_dir:
         run_dir.trim_log(phase_step)  # the log holds exactly the steps of the checkpoint we start from
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
-                                dataclasses.asdict(cfg), phase_step + 1)
+                                dataclasses.asdict(cfg), phase_step + 1 if STARTS[how].phase else 0)  # logged anew
     return progress.Run(cfg=cfg, how=how, model=model, ddp_model=ddp_model, optimizer=optimizer, loader=loader,
                         objective=data.OBJECTIVES[cfg.objective], frozen=frozen, meta=meta, tokenizer=tokenizer,
                         run_dir=run_dir, tracker=tracker, device=device, rank=rank, world=world,

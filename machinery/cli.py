@@ -3,6 +3,7 @@ device, thread and autocast picker, out-of-memory recognised, output paths check
 out, a file's SHA-256 and the code's. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
+import difflib
 import functools
 import math
 import hashlib
@@ -148,16 +149,27 @@ def process_problem(env, numbers):
 
 
 @contextlib.contextmanager
-def rendezvous(rank, world, timeout, script="train.py"):
-    """Around init_process_group: the others that never came (a complete set of torchrun's variables left in a
-    shell) or a port taken, as one line from each process, never a traceback."""
+def rendezvous(rank, world, timeout, device, script="train.py"):
+    """Around init_process_group, one line from each process, never a traceback. The others that never came (a
+    complete set of torchrun's variables left in a shell) or a port taken: the store's rendezvous failed. NCCL (or
+    gloo) failing to start its communicator on `device` after the rendezvous: its own words, and what to check."""
+    import torch.distributed as dist
     try:
         yield
-    except RuntimeError as e:  # DistNetworkError, DistStoreError
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
         raise InputError(f"rank {rank} of {world} did not meet the others at {os.environ['MASTER_ADDR']}:"
                          f"{os.environ['MASTER_PORT']} within --ddp_timeout={timeout.total_seconds():.0f} s "
                          f"({str(e).splitlines()[0][:160]}); start every process with `torchrun --nproc_per_node=N "
                          f"{script} ...`, or `unset {' '.join(PROCESS_VARIABLES)}` to run one",
+                         every_rank=True) from None
+    except dist.DistBackendError as e:
+        what = "NCCL" if device.type == "cuda" else "gloo"
+        words = " ".join(str(e).split())[:400]
+        check = ("each process on a GPU of its own (--nproc_per_node at most the GPUs in CUDA_VISIBLE_DEVICES), the "
+                 "network interface NCCL picks (NCCL_SOCKET_IFNAME), the driver (nvidia-smi); NCCL_DEBUG=INFO says "
+                 "what NCCL tried") if device.type == "cuda" else \
+            "the network interface gloo picks (GLOO_SOCKET_IFNAME)"
+        raise InputError(f"rank {rank} of {world}: {what} could not start on {device}: {words}. Check {check}",
                          every_rank=True) from None
 
 
@@ -227,10 +239,33 @@ def same_file(a, b):
         return False
 
 
+# A model folder's files (Hugging Face's, and those of a run of train.py): a result written over one of them leaves
+# a model that no longer loads, is no longer the model trained, or has lost its card or its log (a run's loss.png
+# is not among them: any save or `python -m machinery.curves RUN` draws it again).
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "README.md", "run.json", "log.jsonl")
+
+
+def model_of(path):
+    """What `path` would overwrite of a model, in words, or None: a file of MODEL_FILES that is there, in a folder
+    holding config.json and model.safetensors or a run of train.py (its run.json); anything inside a run's
+    checkpoints/."""
+    path = Path(os.path.abspath(path))
+    run = next((f.parent for f in path.parents if f.name == "checkpoints" and (f.parent / "run.json").is_file()),
+               None)
+    if run is not None:
+        return f"a file inside the checkpoints of the run in {run}"
+    folder = path.parent
+    is_model = (folder / "run.json").is_file() or all((folder / n).is_file() for n in MODEL_FILES[:2])
+    return f"a file of the model in {folder}" if path.name in MODEL_FILES and os.path.lexists(path) and is_model \
+        else None
+
+
 def check_outputs(flag, outputs, reads):
     """The files a command writes (`outputs`: the one `flag` names, then those written beside it), checked before
     any compute: none is a folder, none is a file the command reads (`reads`: an --out naming the held-out texts
-    would replace them with the result), no two are one file, and each can be written (its folder is made)."""
+    would replace them with the result) or a file of a model (model_of), no two are one file, and each can be
+    written (its folder is made)."""
     given = outputs[0] if outputs else None
     for i, path in enumerate(map(Path, outputs)):
         what = "it" if i == 0 else f"{path}, written beside it,"
@@ -240,6 +275,9 @@ def check_outputs(flag, outputs, reads):
         if read is not None:
             raise InputError(f"{flag}={given}: {what} would overwrite {read}, which this command reads; choose "
                              f"another {flag}")
+        model = model_of(path)
+        if model is not None:
+            raise InputError(f"{flag}={given}: {what} would write {path}, {model}; choose another {flag}")
         if any(same_file(path, other) for other in outputs[:i]):
             raise InputError(f"{flag}={given}: the command also writes {path} beside it, the same file; choose "
                              f"another {flag}")
@@ -250,9 +288,16 @@ def check_outputs(flag, outputs, reads):
         check_writable(str(path), flag)
 
 
+def did_you_mean(flag, names):
+    """"; did you mean --x?" for a mistyped --flag: the names closest to it by spelling (difflib's ratio, as a
+    typo keeps most letters in order: --tokns is --tokens), or "" where none is close."""
+    close = difflib.get_close_matches(flag.lstrip("-").replace("-", "_"), dict.fromkeys(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join('--' + name for name in close)}?" if close else ""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse that shows every default in --help, turns usage errors into InputError, and refuses a flag
-    given twice (argparse would silently keep the last value)."""
+    """argparse that shows every default in --help, turns usage errors into InputError, refuses a flag given
+    twice (argparse would silently keep the last value), and answers an unknown flag with the closest ones."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -264,7 +309,36 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         refuse_repeats(args, self)
-        return super().parse_args(args, namespace)
+        try:
+            namespace, extras = self.parse_known_args(args, namespace)
+        except InputError:  # a required flag missing: because it was mistyped, most often; that is the error
+            extras, namespace = [a for a in args if a.startswith("--") and not self.knows(a)], None
+            if not extras:
+                raise
+        if extras:
+            flag = next((a.split("=", 1)[0] for a in extras if a.startswith("--")), "")
+            hint = did_you_mean(flag, flag_names(self, namespace)) if flag else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace
+
+    def knows(self, arg):
+        """Whether --flag[=value] names a flag of this parser or its sub-commands (or abbreviates one, as
+        argparse allows)."""
+        flag = arg.split("=", 1)[0]
+        return arg == "--" or any(name.startswith(flag[2:]) for name in flag_names(self))
+
+
+def flag_names(parser, namespace=None):
+    """The --flags (without dashes) of the parser and of the sub-command that `namespace` chose (None: of every
+    sub-command)."""
+    names = [o[2:] for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(namespace, action.dest, None) if namespace is not None else None
+            for name, sub in action.choices.items():
+                if chosen in (None, name):
+                    names += flag_names(sub, namespace)
+    return names
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -359,10 +433,14 @@ def pick_threads(requested=0, processes=1):
     return max(1, min(usable_cores(), idle) // max(1, processes))
 
 
-def pick_device(requested="auto", local_rank=0, flag="--device"):
+def pick_device(requested="auto", local_rank=0, flag="--device", local_world=1):
     """auto: this process's GPU under torchrun (LOCAL_RANK), else the CPU. A device that is not here is an
-    InputError naming `flag`."""
+    InputError naming `flag`, and so is one GPU named for the `local_world` processes of this machine."""
     import torch
+    if local_world > 1 and str(requested).startswith("cuda:"):  # before a GPU is touched or a process group made
+        raise InputError(f"{flag}={requested} names one device for the {local_world} processes on this machine, "
+                         f"which would all run on it: use {flag}=cuda (each process takes the GPU of its LOCAL_RANK) "
+                         f"or leave it out")
     if requested in (None, "auto"):
         if not torch.cuda.is_available():
             return torch.device("cpu")
@@ -440,13 +518,14 @@ def _digest_of_sources(root):
     return digest.hexdigest()
 
 
-def write_json(path, obj):
-    """Write through a temporary file and rename, so a reader never sees half a file."""
+def write_text(path, text):
+    """Write `text` (a string, or an iterable of its pieces: a long file is never held whole) through a temporary
+    file and a rename, so that a reader never sees half a file and a failure midway (a full disk, an error while
+    the pieces are made) leaves the file that was there."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False)
-            f.write("\n")
+            f.writelines([text] if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -454,6 +533,11 @@ def write_json(path, obj):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path, obj):
+    """write_text of obj as indented JSON (strict: no NaN)."""
+    write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 def save(path, obj):

@@ -368,10 +368,23 @@ def compare_task(loaded, reference, task, kind_of):
         row["difference"] = d = clip(interval(primary, counts["test"][arm], counts["test"][reference]), -1, 1)
         d["verdict"] = verdict(d["low"], d["high"]) if ranked else "no verdict: the reference is not informative"
     n_dev = counts["dev"][reference].shape[2]
+    spent = {arm: [budget(r, task) for _, r in loaded[arm][row["setting"]]] for arm, row in rows.items()}
+    mixed = len({tuple(b.items()) for runs in spent.values() for b in runs}) > 1
     return {"kind": kind.name, "metric": metric, "baseline": first["baseline"], "seeds": seeds,
             "ner_mode": first.get("ner_mode"), "replicates": len(test[reference]), "reference": reference,
             "ranked": ranked, "dev_examples": n_dev, "test_examples": counts["test"][reference].shape[2],
-            "dev_split": first.get("dev_split"), "arms": rows}
+            "dev_split": first.get("dev_split"), "arms": rows, **({"mixed_budgets": spent} if mixed else {})}
+
+
+def budget(results, task):
+    """What a results file's fine-tuning of `task` spent, as `eval.py finetune` records it: optimizer steps of a
+    batch, the train examples they read, the tokens per example, the dev evaluations a setting was chosen among.
+    Arms (or replicates) fine-tuned on different budgets differ by more than their pretraining: a comparison of them
+    says so (finetune_markdown). A file that does not record a field leaves it None."""
+    t, args = results["tasks"][task], results.get("args") if isinstance(results.get("args"), dict) else {}
+    examples = t.get("examples") if isinstance(t.get("examples"), dict) else {}
+    return {"steps": t.get("steps"), "batch_size": args.get("batch_size"), "train_examples": examples.get("train"),
+            "max_len": args.get("max_len"), "evals": args.get("evals")}
 
 
 def compared(comparison):

@@ -1,10 +1,11 @@
 """Loss pictures from log.jsonl, across phase hand-offs and across runs. A reader of the recipe may skip this file.
 
 A run's picture shows its train and validation losses and learning rate against tokens, with the runs it
-continues before it on the same axis (a detour and its decay read as one curve).
+continues before it on the same axis (a detour and its decay read as one curve). The command is eval.py's
+(`python -m machinery.curves ...` runs it too):
 
-    python -m machinery.curves out/clm25-mlm                          # writes out/clm25-mlm/loss.png
-    python -m machinery.curves out/clm25-mlm out/mlm --out=cmp.png    # several runs, one colour each
+    python eval.py curves out/clm25-mlm                          # draws out/clm25-mlm/loss.png again
+    python eval.py curves out/clm25-mlm out/mlm --out=cmp.png    # several runs, one colour each
 """
 import contextlib
 import json
@@ -13,7 +14,7 @@ import os
 import sys
 
 from machinery import rundir
-from machinery.cli import InputError, Parser, check_outputs, read_json, run
+from machinery.cli import InputError, check_outputs, read_json, run
 
 _said = set()  # the messages this process has printed: each is said once, however often the trainer draws
 
@@ -206,13 +207,18 @@ def objectives(segments):
 
 
 def mark_switches(axes, segments, label, names=False, **style):
-    """A vertical line on every panel where a phase hands off to the next; with names, the phases on the first."""
+    """A vertical line on every panel where a phase hands off to the next; with names, the phases on the first,
+    beside the line on the side with more room (a switch in the right half is named on its left: a name that ran
+    past the panel would go under the legend)."""
+    low, high = axes[0].get_xlim()
     for before, seg in zip(segments, segments[1:]):
         for ax in axes:
             ax.axvline(seg["offset"], label=label, **style)
         label = "_nolegend_"
         if names:
-            axes[0].text(seg["offset"], 0.98, f" {before['phase']} -> {seg['phase']}", va="top", fontsize="small",
+            left = seg["offset"] > (low + high) / 2
+            axes[0].text(seg["offset"], 0.98, f" {before['phase']} -> {seg['phase']} ", va="top", fontsize="small",
+                         ha="right" if left else "left",
                          transform=axes[0].get_xaxis_transform())  # x in tokens, y in the panel's height
 
 
@@ -307,32 +313,22 @@ def draw_runs(run_dirs, out_png, names=None, figsize=None, dpi=100):
     return save(fig, out_png)
 
 
-def main(argv=None):
-    parser = Parser(prog="python -m machinery.curves", description=__doc__.split("\n", 2)[2])
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories written by train.py")
-    parser.add_argument("--out", help="the PNG to write; None: RUN/loss.png for one run (several runs need it)")
-    parser.add_argument("--names", help="comma-separated legend names, one per run; None: the directory names")
-    args = parser.parse_args(argv)
-    for run_dir in args.runs:
-        if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
-            raise InputError(f"{run_dir}: no log.jsonl there (expected a run directory written by train.py)")
-    names = args.names.split(",") if args.names else None
-    if names is not None and len(names) != len(args.runs):
-        raise InputError(f"--names={args.names}: {len(names)} names for {len(args.runs)} runs")
-    check_outputs("--out", [args.out] if args.out else [], [os.path.join(r, "log.jsonl") for r in args.runs])
-    if len(args.runs) == 1:
-        if names:
-            raise InputError("--names names the runs of a comparison; one run's picture is titled by its directory")
-        path = draw_run(args.runs[0], args.out)
-    elif not args.out:
-        raise InputError("--out: several runs are drawn into one picture; name the PNG to write")
-    else:
-        path = draw_runs(args.runs, args.out, names)
-    if path is None:
-        return 1
-    print(path)
-    return 0
+def draw(runs, out=None, names=None):
+    """eval.py curves: one run's picture across the phases it continues (out: its loss.png by default), or several
+    runs on shared axes (out needed). Returns the path written, or None without matplotlib."""
+    for folder in runs:
+        if not os.path.isfile(os.path.join(folder, "log.jsonl")):
+            raise InputError(f"{folder}: no log.jsonl (not a train.py run directory)")
+    if len(runs) > 1:
+        if not out:
+            raise InputError("--out: several runs are drawn into one picture; name the PNG to write")
+        return draw_runs(runs, out, names)
+    if names:
+        raise InputError("--names names the runs of a comparison; one run's picture is titled by its directory")
+    check_outputs("--out", [out] if out else [], [os.path.join(runs[0], "log.jsonl")])
+    return draw_run(runs[0], out)
 
 
-if __name__ == "__main__":
-    sys.exit(run(main))
+if __name__ == "__main__":  # the command is eval.py's; this name runs it too
+    import eval
+    run(eval.main, ["curves", *sys.argv[1:]])

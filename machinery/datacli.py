@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, usable_cores
+from machinery.cli import InputError, Parser, check_outputs, run, usable_cores
 from machinery.prepare import (HELD_OUT_EVERY, find_sources, make_writable_dir, read_documents, write_code,
                                write_docstrings, write_file)
 from machinery.tokenfiles import SPLITS, load_meta, split_tokens
@@ -65,6 +65,7 @@ def train_tokenizer(inputs, vocab_size, out, field="text"):
     if out.suffix != ".json" or out.is_dir():
         raise InputError(f"--out={out}: expected the path of a .json file to write")
     make_writable_dir(out.parent, out)
+    check_outputs("--out", [out], files)  # never an input, nor a file of a model
     texts = (text for f in files for text in read_documents(f, field))
     tokenizer, counts = learn_bpe(texts, vocab_size, out)
     write_file(out, tokenizer.hf_files["tokenizer.json"])
@@ -92,9 +93,9 @@ def parse_mix(text):
 def make_parser(description):
     parser = Parser(prog="data.py", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
-    inputs = (".jsonl (one object a line), .txt (blank-line separated) or .parquet files, .jsonl "
-              "and .txt also as .gz or .zst; a folder is one source of the files in it; a quoted "
-              "glob is the files it matches")
+    inputs = (".jsonl (one object a line), .txt (blank-line separated) or .parquet files (these need "
+              "pip install pyarrow), .jsonl and .txt also as .gz or .zst; a folder is one source of the files "
+              "in it; a quoted glob is the files it matches")
     field = "the text field of .jsonl objects and the text column of .parquet files"
     def command(name, what):
         return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
@@ -129,12 +130,23 @@ def make_parser(description):
     c.add_argument("--heldout", required=True, help=f"the .jsonl of held-out texts: the functions and classes of "
                    f"one module in {HELD_OUT_EVERY}, never in --out")
     c.add_argument("--max_bytes", type=int, default=2_000_000, help="stop after this much text in --out")
+    f = command("fetch", "download the studies' corpus, tasks and held-out texts from their public sources and "
+                         "convert them to the files reproduce.py and eval.py read (about 240 MB)")
+    f.add_argument("--out", default="data/bio", help="the directory to write (reproduce.py's --data); the "
+                   "downloads are kept in OUT/downloads, where a file already there is used without a network")
     e = command("demo", "build the demo corpus: docstrings and a BPE learned from them "
                         "(what `python data.py` does)")
     e.add_argument("--out", default="data/demo", help="the directory to write")
     e.add_argument("--vocab_size", type=int, default=DEMO_VOCAB,
                    help="ids of the BPE learned from the demo's text; 0: the byte tokenizer")
     return parser
+
+
+def check_command_line(description):
+    """data.py's flags checked before it imports torch (seconds on an idle machine, more on a busy one): a mistyped
+    one is answered at once, in one line (exit status 2); --help is printed. main parses them again."""
+    if sys.argv[1:]:
+        run(lambda _: make_parser(description).parse_args(sys.argv[1:]))
 
 
 def main(data, argv=None):
@@ -150,9 +162,15 @@ def main(data, argv=None):
         print(f"{path}: {path.stat().st_size / 1e6:.1f} MB of docstrings")
     elif a.command == "code":
         path, heldout, trained, held = write_code(a.out, a.heldout, a.max_bytes)
-        print(f"{path}: {trained:,} functions and classes, {path.stat().st_size / 1e6:.1f} MB (to prepare: python "
-              f"data.py prepare --input {path} ...)\n{heldout}: {held:,} of held-out modules, "
-              f"{heldout.stat().st_size / 1e6:.1f} MB (texts for eval.py cka and needle --texts)")
+        print(f"{path}: {trained:,} functions and classes, {path.stat().st_size / 1e6:.1f} MB\n{heldout}: {held:,} of "
+              f"held-out modules, {heldout.stat().st_size / 1e6:.1f} MB (texts for eval.py cka and needle --texts)\n"
+              f"to prepare it with the demo's tokenizer (python train.py builds data/demo): python data.py prepare "
+              f"--input {path} --tokenizer data/demo/tokenizer.json --out {path.with_suffix('')} --val_fraction 0.02")
+    elif a.command == "fetch":
+        from machinery import sources
+        written = sources.fetch(a.out)
+        print(f"{a.out}: {len(written)} file(s) written, {len(sources.OUTPUTS) - len(written)} there already; the "
+              f"studies read them with: python reproduce.py --data={a.out} ...")
     elif a.command == "demo":
         prepare_demo(data.prepare, a.out, a.vocab_size or None)
     else:

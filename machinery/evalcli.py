@@ -104,10 +104,10 @@ def parser(ev):
     m.add_argument("--seq_len", type=positive_int, help="tokens per window")
     m.add_argument("--batch_size", type=positive_int, help="windows per forward pass")
     needle_flags(command(needle.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
-    k = command(ev.curves, [], "several runs' loss curves on shared axes")
+    k = command(ev.curves, [], "loss curves: one run across its phases, or several runs on shared axes")
     k.add_argument("runs", nargs="+", help="train.py run directories (each with a log.jsonl)")
-    k.add_argument("--out", required=True, help="the PNG to write")
-    k.add_argument("--names", type=name_list, help="a name per run (none: folders)")
+    k.add_argument("--out", help="the PNG to write (none: one run's own loss.png; several runs need one)")
+    k.add_argument("--names", type=name_list, help="a name per run of a comparison (none: folders)")
     for sp, fn in commands:
         signature_defaults(sp, fn)
     return p
@@ -214,6 +214,7 @@ def main(ev, argv=None):
     result = command(**args)
     params = inspect.signature(command).parameters
     out = args.get("out", params["out"].default if "out" in params else None)
+    out = out or (result if isinstance(result, str) else None)  # a file it chose itself (curves: a run's loss.png)
     if result is not None and out:  # a command that wrote a file says so (None: it wrote nothing, no matplotlib)
         print(wrote(out))
     return result

@@ -1,5 +1,6 @@
 """train.py's flags: --key=value parsed into its Config dataclass, --help written from the dataclass's own
 comments, and the range of every value. A reader of the recipe may skip this file."""
+import ast
 import dataclasses
 import datetime
 import decimal
@@ -7,15 +8,20 @@ import inspect
 import math
 import os
 import re
+import sys
 
-from machinery.cli import MAX_THREADS, InputError
+from machinery.cli import MAX_THREADS, InputError, did_you_mean, run
+from machinery.hf import hub_id_problem
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
-PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout")  # never taken from a saved configuration
+# never taken from a saved configuration
+PER_INVOCATION = ("resume", "max_steps", "device", "ddp_timeout", "deterministic")
 # What --resume may change besides: nothing that alters the numbers (threads: a smaller machine needs fewer).
 RESUMABLE = (*PER_INVOCATION, "out_dir", "eval_interval", "save_interval", "keep", "log_interval", "threads",
              "log_to", "license", "language", "base_model", "hub_id")
+# Other names a flag answers to: Hugging Face's Trainer calls --log_to report_to.
+ALIASES = {"report_to": "log_to"}
 # The budget, which --resume may change where every step already run keeps its learning rate (check_new_budget).
 BUDGET = ("tokens", "schedule_tokens")
 # What a checkpoint cannot be continued without: its counters, data position and place in its schedule are counted
@@ -32,6 +38,21 @@ MAX_DDP_TIMEOUT = 10**6  # seconds (11 days); the rendezvous's millisecond clock
 
 def field_types(config_cls):
     return {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}  # "int", "float", "bool", "str"
+
+
+def source_field_types(path, name):
+    """field_types of the dataclass `name` that the file at `path` defines, read from its source without running
+    it (nor importing what it imports)."""
+    with open(path, encoding="utf-8") as f:
+        body = next(n.body for n in ast.parse(f.read()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id: n.annotation.id for n in body if isinstance(n, ast.AnnAssign)}
+
+
+def check_command_line(script, config="Config"):
+    """The flags of `script`'s command line checked before it imports torch (seconds on an idle machine, a minute on
+    a busy one), against the names and types of its `config` dataclass read from its source: a mistyped flag is
+    answered at once, in one line (exit status 2). The script parses them again once it runs."""
+    run(lambda _: parse_types(sys.argv[1:], source_field_types(script, config)))
 
 
 def checkpoint_fields(config_cls):
@@ -71,9 +92,14 @@ def parse_value(key, text, kind):
 
 
 def parse(argv, config_cls):
-    """--key=value or --key value (a bare --flag sets a bool). Unknown keys and repeated keys are errors.
-    Returns (flags, wants_help)."""
-    types, flags, wants_help, i = field_types(config_cls), {}, False, 0
+    """--key=value or --key value (a bare --flag sets a bool) into the fields of a dataclass. Unknown keys and
+    repeated keys are errors. Returns (flags, wants_help)."""
+    return parse_types(argv, field_types(config_cls))
+
+
+def parse_types(argv, types):
+    """parse, against {field: type name}."""
+    flags, named, wants_help, i = {}, {}, False, 0  # named: the name each flag was given by
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
@@ -81,13 +107,16 @@ def parse(argv, config_cls):
             continue
         if not arg.startswith("--"):
             raise InputError(f"unexpected argument {arg!r}; flags look like --key=value (see --help)")
-        key, eq, value = arg[2:].partition("=")
+        given, eq, value = arg[2:].partition("=")
+        key = ALIASES.get(given, given)
         if key not in types:
-            close = [k for k in types if k.startswith(key[:4])] or list(types)
-            raise InputError(f"unknown flag --{key}; did you mean {', '.join('--' + k for k in close[:6])}? "
-                             f"(python train.py --help lists them all)")
+            raise InputError(f"unknown flag --{key}{did_you_mean(key, [*types, *ALIASES])} (python train.py --help "
+                             f"lists them all)")
         if key in flags:
-            raise InputError(f"--{key} is given twice; give each flag once")
+            both = (f"--{named[key]} and --{given} name one setting" if named[key] != given else
+                    f"--{key} is given twice")
+            raise InputError(f"{both}; give each flag once")
+        named[key] = given
         if not eq:
             if types[key] == "bool" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
                 value = "true"
@@ -110,7 +139,8 @@ def help_text(config_cls, cfg, usage):
             lines += ["", m.group(1) + ":"]
         elif m := re.match(r"\s+(\w+): \w+ = .*?(?:#\s*(.*))?$", line):
             flag = f"--{m.group(1)}={getattr(cfg, m.group(1))}"
-            lines.append(f"  {flag:<27} {m.group(2) or ''}".rstrip())
+            also = "".join(f" (also --{alias})" for alias, name in ALIASES.items() if name == m.group(1))
+            lines.append(f"  {flag:<27} {m.group(2) or ''}{also}".rstrip())
     return "\n".join(lines)
 
 
@@ -179,10 +209,12 @@ def check(cfg, allowed, world):
          f"--license={cfg.license!r}: expected a Hugging Face license id such as apache-2.0, mit or cc-by-4.0"),
         (re.fullmatch(r"([a-z]{2,3}(-[A-Za-z0-9]+)*(,[a-z]{2,3}(-[A-Za-z0-9]+)*)*)?", cfg.language),
          f"--language={cfg.language!r}: expected language codes such as en or en,de"),
-        (re.fullmatch(r"([\w.\-]+(/[\w.\-]+)?)?", cfg.base_model),
-         f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base"),
-        (re.fullmatch(r"([\w.\-]+/[\w.\-]+)?", cfg.hub_id),
-         f"--hub_id={cfg.hub_id!r}: expected the hub repository to publish to, USER/NAME"),
+        (not cfg.base_model or not hub_id_problem(cfg.base_model, namespace=False),
+         f"--base_model={cfg.base_model!r}: expected a Hugging Face hub id such as answerdotai/ModernBERT-base "
+         f"({hub_id_problem(cfg.base_model, namespace=False)})"),
+        (not cfg.hub_id or not hub_id_problem(cfg.hub_id),
+         f"--hub_id={cfg.hub_id!r}: expected the hub repository to publish to, USER/NAME "
+         f"({hub_id_problem(cfg.hub_id)})"),
     ]
     for ok, message in rules:
         if not ok:

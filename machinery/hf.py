@@ -4,6 +4,7 @@ skip this file."""
 import dataclasses
 import math
 import os
+import re
 import sys
 
 from machinery.cli import InputError, read_json, write_json
@@ -151,7 +152,18 @@ def read_weights(weights_file, expected):
     problems = mismatches(state, expected)
     if problems:
         raise InputError(f"{weights_file} does not match the config: {problems}")
+    check_finite(state, weights_file, "weight")
     return {k: v.float() for k, v in state.items()}
+
+
+def check_finite(tensors, path, what="tensor"):
+    """Every value of `tensors` ({name: tensor}, read from `path`) finite, or an InputError naming the file and the
+    first tensor that is not: a diverged or damaged checkpoint, refused before any step or score is computed on it
+    (the first step would turn every weight into NaN, and the loss check would blame the learning rate)."""
+    bad = next((name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())), None)
+    if bad is not None:
+        raise InputError(f"{path}: {what} {bad} holds NaN or inf (a diverged or damaged checkpoint); nothing can "
+                         f"start from it: take an earlier checkpoint")
 
 
 def mismatches(state, expected):
@@ -249,11 +261,32 @@ def check_saved(model, path):
     return differences
 
 
+# A segment of a hub id, as the hub takes it (huggingface_hub's validate_repo_id): 1 to 96 ASCII letters, digits,
+# '_', '.' or '-', the first and the last a letter, a digit or '_'.
+HUB_SEGMENT = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+
+
+def hub_id_problem(text, namespace=True):
+    """What the Hugging Face hub refuses in a repository id, in words, or None where it takes it: NAMESPACE/NAME
+    (or NAME alone where `namespace` is False), each a HUB_SEGMENT, no '--' or '..', no '.git' at the end. A dot
+    segment ('..', '.') is no repository: a card or a snippet naming one names nothing anyone can load."""
+    parts = text.split("/")
+    if len(parts) != 2 and (namespace or len(parts) != 1):
+        return "expected USER/NAME" if namespace else "expected NAME or USER/NAME"
+    bad = next((part for part in parts if not HUB_SEGMENT.fullmatch(part)), None)
+    if bad is not None:
+        return (f"{bad!r} is not a name the hub takes: 1 to 96 ASCII letters, digits, '_', '.' or '-', starting and "
+                f"ending with a letter, a digit or '_'")
+    if "--" in text or ".." in text:
+        return "the hub takes no '--' or '..' in an id"
+    return "the hub takes no id ending in .git" if text.endswith(".git") else None
+
+
 def resolve_checkpoint(path_or_id):
     """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
     if os.path.isdir(path_or_id):
         return path_or_id
-    if os.path.exists(path_or_id) or path_or_id.count("/") != 1 or path_or_id.startswith((".", "~")):
+    if os.path.exists(path_or_id) or hub_id_problem(path_or_id):
         what = "not a directory" if os.path.exists(path_or_id) else "no such directory"
         raise InputError(f"{path_or_id}: {what}, and not a hub id like 'answerdotai/ModernBERT-base'")
     try:

@@ -2,6 +2,7 @@
 linear cross-entropy: how model.py's attention and loss run fast on a GPU. A reader of the recipe may skip
 this file: model.py's reference_attention and F.cross_entropy compute the same numbers."""
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,12 @@ try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained w
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+try:  # PyTorch's own FlashAttention-2 on packed sequences: the flash backend where flash-attn is not installed
+    from torch.nn.attention.varlen import varlen_attn
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        varlen_attn = None  # PyTorch 2.10's has no window: the local layers could not run on it
+except ImportError:  # PyTorch < 2.10
+    varlen_attn = None
 try:  # PyTorch >= 2.5; block-sparse masks make the sliding window cheap on GPU
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:
@@ -48,6 +55,14 @@ class SDPA:
     @staticmethod
     def computes(device, dtype):  # whether it computes in this dtype on this device
         return True
+
+    @staticmethod
+    def nondeterminism(device):  # why the same batch may give other gradient bits from run to run, or None
+        return "PyTorch's SDPA backward kernels on CUDA add up with atomics" if device.type == "cuda" else None
+
+    @staticmethod
+    def library():  # the library that computes it, where the backend has a choice
+        return None
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference=None):
         self.shape, self.causal, self.positions = (B, T), causal, torch.arange(T, device=device)
@@ -101,6 +116,10 @@ class Flex(SDPA):
     trains = auto  # PyTorch 2.13 has no FlexAttention backward on a CPU (NotImplementedError at the first one)
 
     @staticmethod
+    def nondeterminism(device):  # its Triton backward computes dQ and dK, dV in separate loops, without atomics
+        return None
+
+    @staticmethod
     def build_mask(rule, T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
         # compiled on CUDA, where eager mask building materialises the whole (B, T, T) mask first
@@ -123,6 +142,32 @@ class Flex(SDPA):
         return fn
 
 
+class FlexSDPA(Flex):
+    """FlexAttention for the local layers, PyTorch's SDPA for the global ones where a row needs no mask (packed
+    windows, no padding, attention across documents, as the paper trains): SDPA then runs a fused kernel of its own
+    (cuDNN's on Hopper), which took 6.3 ms where FlexAttention took 9.5 on a global layer of 4 x 8,192 tokens on an
+    H200 (docs/gpu.md). With padding or documents every layer runs FlexAttention (SDPA would need a dense mask)."""
+    description = "FlexAttention for the local layers, SDPA's fused kernels (cuDNN) for unmasked global ones"
+    needs = "CUDA and PyTorch >= 2.5"
+
+    @staticmethod
+    def auto(device):  # chosen by name only: SDPA's backward on CUDA adds up with atomics (nondeterminism)
+        return False
+
+    nondeterminism = SDPA.nondeterminism
+
+    def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule, reference=None):
+        super().__init__(B, T, device, causal, window, token_mask, doc_ids, rule=rule, reference=reference)
+        self.unmasked = token_mask is None and doc_ids is None
+
+    def attend(self, q, k, v, local):
+        if local or not self.unmasked:
+            return super().attend(q, k, v, local)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=q.shape[-1] ** -0.5)
+        return y.transpose(1, 2)  # (B, T, H, D)
+
+
 class Reference(SDPA):
     """model.py's reference_attention on SDPA's layout: every (B, H, T, T) score and the whole mask materialised.
     Slow and obvious: what the other backends are tested against; auto never picks it."""
@@ -138,6 +183,10 @@ class Reference(SDPA):
 
     def attend(self, q, k, v, local):
         return self.attention(q, k, v, self.keep[local])
+
+    @staticmethod
+    def nondeterminism(device):  # matrix products and a softmax
+        return None
 
 
 # shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)
@@ -156,16 +205,43 @@ def compiled(fn, dynamic):
 
 def configure_compiler(n):
     """Let dynamo keep n compiled graphs per function. Past its recompile_limit (8 by default) it warns and runs
-    the function eager from then on: on a GPU, that is every step at a fraction of the speed.
-    And let inductor choose its kernels' settings without timing them. By default it times a reduction's block
-    sizes and warps at first launch and keeps the fastest: a choice that changes the order of the sums and can
-    differ between two processes, so a resumed run could round differently from the uninterrupted one, and
-    --resume promises the same bits. (The kill-and-resume test failed once in three runs on an H200 shared by
-    several test processes; whether this timing was the cause is not established.)"""
-    import torch._inductor.config as inductor
+    the function eager from then on: on a GPU, that is every step at a fraction of the speed."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
+
+
+def deterministic_compiler(on=True):
+    """Whether inductor chooses its kernels' settings without timing them (on, train.py's --deterministic) or times
+    them (off). By default it times a reduction's block sizes and warps at first launch and keeps the fastest: a
+    choice that changes the order of the sums and can differ between two processes, so a resumed run could round
+    differently from the uninterrupted one, where --resume promises the same bits. Returns whether the mode is
+    on: False where this PyTorch has no such mode (then compiled kernels are timed, whatever `on` says)."""
+    import torch._inductor.config as inductor
     if hasattr(inductor, "deterministic"):  # older PyTorch releases have no such mode
-        inductor.deterministic = True
+        inductor.deterministic = on
+    return compiler_is_deterministic()
+
+
+def compiler_is_deterministic():
+    import torch._inductor.config as inductor
+    return getattr(inductor, "deterministic", False)
+
+
+# What kill-and-resume has shown on a GPU (docs/gpu.md): one H200, FlexAttention, the smoke recipe's 40 steps.
+GPU_RESUME = ("on a GPU it is not shown to: kill-and-resume on an H200 differed from the uninterrupted run in 5 of 5 "
+              "tries with inductor's deterministic mode (by up to 7.2e-3 after 40 steps) and matched in 1 of 1 "
+              "without it; the cause is not established")
+
+
+def resume_caveat(backend, device, deterministic):
+    """Why a resumed run on `device` may not repeat the uninterrupted one bit for bit, or None where it does: the
+    attention backend's backward (its `nondeterminism`), inductor timing its compiled kernels (`deterministic`: what
+    deterministic_compiler returned), or, on CUDA, what kill-and-resume has shown there (GPU_RESUME)."""
+    why = BACKENDS[backend].nondeterminism(device)
+    if why:
+        return f"--backend={backend}: {why}"
+    if device.type == "cuda" and not deterministic:
+        return "inductor times its compiled kernels' settings at first launch (no deterministic mode)"
+    return GPU_RESUME if device.type == "cuda" else None
 
 
 def backend_for(model, device):
@@ -208,25 +284,46 @@ def compute_dtype(device, weights=torch.float32):
 
 
 class Flash:
-    """flash-attn's varlen kernel on the unpadded layout: the real tokens of all sequences concatenated,
-    (N, d), sequences delimited by cu_seqlens; padding is never computed. Packed batches without padding
-    or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids two more (the number of
-    documents and the longest one)."""
-    description = "flash-attn varlen (unpadded: padding tokens are never computed)"
-    needs = "flash-attn and CUDA"
+    """FlashAttention-2 on the unpadded layout: the real tokens of all sequences concatenated, (N, d), sequences
+    delimited by cu_seqlens; padding is never computed. flash-attn's kernel where it is installed, else PyTorch's
+    own (torch.nn.attention.varlen, PyTorch >= 2.11: the same algorithm, the same window convention). Packed
+    batches without padding or doc_ids need no host sync; padding costs one (the unpadded size N), doc_ids two
+    more (the number of documents and the longest one)."""
+    description = ("FlashAttention-2 varlen, unpadded (padding tokens are never computed): flash-attn's kernel, "
+                   "else PyTorch's own (>= 2.11)")
+    needs = "CUDA, and flash-attn or PyTorch >= 2.11 (torch.nn.attention.varlen with its window_size)"
 
     @staticmethod
     def available(device):
-        return flash_attn_varlen_func is not None and device.type == "cuda"
+        return device.type == "cuda" and (flash_attn_varlen_func is not None or varlen_attn is not None)
 
-    auto = trains = available
+    trains = available
 
     @staticmethod
-    def computes(device, dtype):  # its CUDA kernels take bf16 and fp16 only (the CPU test double takes fp32 too)
+    def auto(device):
+        """Only flash-attn's kernel, whose deterministic backward keeps --resume bit for bit: PyTorch's adds dQ up
+        with atomics (nondeterminism, below), so it runs where --backend=flash asks for it."""
+        return device.type == "cuda" and flash_attn_varlen_func is not None
+
+    @staticmethod
+    def library():
+        return "flash-attn" if flash_attn_varlen_func is not None else "PyTorch's varlen_attn"
+
+    @staticmethod
+    def nondeterminism(device):
+        """Why the same batch may give other gradient bits from one run to the next, or None: flash-attn's backward
+        is asked for its deterministic mode; PyTorch's has one only under torch.use_deterministic_algorithms, which
+        the trainer does not turn on (it stops at every CUDA op that has no deterministic kernel)."""
+        if flash_attn_varlen_func is None:
+            return "PyTorch's FlashAttention backward adds dQ up with atomics, in an order that varies"
+        return None
+
+    @staticmethod
+    def computes(device, dtype):  # its CUDA kernels take bf16 and fp16 only (the CPU test doubles take fp32 too)
         return device.type != "cuda" or dtype in (torch.bfloat16, torch.float16)
 
     def __init__(self, B, T, device, causal, window, token_mask=None, doc_ids=None, *, rule=None, reference=None):
-        # the rule as sequence lengths and a window: flash-attn takes no mask (tests hold it equal to the rule)
+        # the rule as sequence lengths and a window: FlashAttention takes no mask (tests hold it equal to the rule)
         self.shape, self.causal, self.window = (B, T), causal, window
         self.keep = None if token_mask is None else token_mask.flatten().nonzero().squeeze(1)  # (N,)
         self.positions = self.unpad(torch.arange(T, device=device).expand(B, T))
@@ -255,22 +352,25 @@ class Flash:
 
     def attend(self, q, k, v, local):
         if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
-            raise InputError("flash-attn computes in bf16/fp16: run under torch.autocast, or pick another "
+            raise InputError("FlashAttention computes in bf16/fp16: run under torch.autocast, or pick another "
                              "attention backend")
-        w = self.window if local else -1  # keys i - w ..= i + w; -1: unbounded (flash-attn's convention)
+        # window_size: keys i - left ..= i + right, -1 unbounded on that side (both kernels' convention)
+        left, cu, longest = self.window if local else -1, self.cu_seqlens, self.max_seqlen
+        if flash_attn_varlen_func is None:  # PyTorch's takes causal as a window that ends at the query
+            return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(left, 0 if self.causal else left))
         # deterministic: --resume promises the uninterrupted run's weights bit for bit, and flash-attn's backward
         # otherwise adds up dQ with atomics whose order changes from run to run (the price: a slightly slower
         # backward, by flash-attn's own account)
-        return flash_attn_varlen_func(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
-                                      softmax_scale=q.shape[-1] ** -0.5, causal=self.causal,
-                                      window_size=(w, 0 if self.causal and local else w), deterministic=True)
+        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=q.shape[-1] ** -0.5,
+                                      causal=self.causal, window_size=(left, 0 if self.causal and local else left),
+                                      deterministic=True)
 
 
 # flash-attn 3 (the flash_attn_interface module, Hopper kernels) is not used: it is built from source, its varlen
 # function changed what it returns and takes between releases, and no Hopper GPU has run it against the SDPA
 # reference here; flash-attn 2 runs on Hopper too, and the tests pin its documented interface.
 # "auto" picks the first available, in this order (never the reference)
-BACKENDS = {"flash": Flash, "flex": Flex, "sdpa": SDPA, "reference": Reference}
+BACKENDS = {"flash": Flash, "flex": Flex, "flex+sdpa": FlexSDPA, "sdpa": SDPA, "reference": Reference}
 BACKEND_NAMES = {name: kind.description for name, kind in BACKENDS.items()}
 
 

@@ -3,9 +3,7 @@ tokenizer; models that must differ from each other; results written with one err
 may skip this file."""
 from pathlib import Path
 
-import torch
-
-from machinery.cli import InputError, read_json, sha256_file
+from machinery.cli import MODEL_FILES, InputError, read_json, sha256_file
 from machinery.hf import read_config, resolve_checkpoint
 from machinery.tokenfiles import load_meta, split_tokens
 from machinery.tokenizer import load_tokenizer
@@ -65,13 +63,9 @@ def model_tokenizer(info, spec=None):
 
 def load_weights(info, device):
     """The model of inspect_model's `info`, in eval mode on device; refused when a weight is NaN
-    or inf (a diverged run: every score computed from it would be nonsense)."""
+    or inf (hf.read_weights: a diverged run, every score computed from it would be nonsense)."""
     model = info["class"](info["config"])
     model.load_weights(str(info["dir"] / "model.safetensors"))
-    bad = next((k for k, p in model.state_dict().items() if not torch.isfinite(p).all()), None)
-    if bad:
-        raise InputError(f"{info['path']}: weight {bad} holds NaN or inf; a diverged model cannot "
-                         f"be evaluated")
     return model.to(device).eval()
 
 
@@ -111,9 +105,9 @@ def distinct_models(paths, model_class, same_ok=()):
     return infos
 
 
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what eval.py reads of a model folder
-
-
-def model_files(infos):
-    """The files eval.py reads of the models inspect_model found (an --out must not be one: cli.check_outputs)."""
-    return [Path(info["dir"]) / name for info in infos for name in MODEL_FILES]
+def model_files(infos, toks):
+    """The files eval.py reads of the models inspect_model found, and the tokenizer files model_tokenizer loaded
+    for them (--tokenizer, or the one a run recorded): an --out must not be one (cli.check_outputs, which also
+    refuses every other file of a model folder)."""
+    tokenizers = [Path(tok.spec) for tok in toks if Path(tok.spec).is_file()]
+    return [Path(info["dir"]) / name for info in infos for name in MODEL_FILES] + tokenizers

@@ -16,7 +16,7 @@ from statistics import NormalDist
 import numpy as np
 import torch
 
-from machinery.cli import InputError, autocast, check_outputs, pick_device, save
+from machinery.cli import InputError, autocast, check_outputs, pick_device, save, write_text
 from machinery.compare import interval, t_interval
 from machinery.models import as_list, inspect_model, load_weights, model_files, model_tokenizer
 from machinery.tasks import read_jsonl
@@ -160,9 +160,9 @@ def needle(models, texts, model_class, names=None, lengths=(512, 1024, 2048, 409
             raise InputError(f"{info['path']} has the same weights as {seen[info['sha256']]}; each model and "
                              f"replicate must be a run of its own")
         seen[info["sha256"]] = info["path"]
-    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
-                  [texts, *model_files(infos)])
     toks = [model_tokenizer(info, tokenizer) for info in infos]
+    check_outputs("--out", [out, *(Path(out).with_suffix(s) for s in (".examples.jsonl", ".png"))],
+                  [texts, *model_files(infos, toks)])
     if len({t.fingerprint for t in toks}) > 1:
         raise InputError("the models use different tokenizers; the examples are token sequences, the same for "
                          "every model: run needle once per tokenizer")
@@ -176,9 +176,7 @@ def needle(models, texts, model_class, names=None, lengths=(512, 1024, 2048, 409
     written = Path(out).with_suffix(".examples.jsonl")
     try:
         written.parent.mkdir(parents=True, exist_ok=True)
-        with open(written, "w", encoding="utf-8") as f:
-            for ex in examples:
-                f.write(json.dumps({**ex, "text": toks[0].decode(ex["ids"])}) + "\n")
+        write_text(written, (json.dumps({**ex, "text": toks[0].decode(ex["ids"])}) + "\n" for ex in examples))
     except OSError as e:
         raise InputError(f"{written}: cannot write it ({e.strerror or e})") from None
     device, start = pick_device(device), time.time()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.cli import InputError, Stop, die_with, sha256_file, stop_on_sigterm, usable_cores
+from machinery.cli import InputError, Stop, check_outputs, die_with, sha256_file, stop_on_sigterm, usable_cores
 from machinery.rundir import hold_lock, release_lock
 from machinery.tokenizer import is_int
 
@@ -183,6 +183,7 @@ def write_docstrings(path, max_bytes=1_000_000):
     check_max_bytes(max_bytes)
     path = Path(path)
     make_writable_dir(path.parent, path)
+    check_outputs("--out", [path], [])  # never a file of a model (a run's log.jsonl)
     write_file(path, "".join(json.dumps({"text": d}) + "\n" for d in stdlib_docstrings(max_bytes)))
     return path
 
@@ -245,6 +246,8 @@ def write_code(path, heldout, max_bytes=2_000_000):
         raise InputError(f"--out={path} and --heldout={heldout}: the held-out texts need a file of their own")
     make_writable_dir(path.parent, path)
     make_writable_dir(heldout.parent, heldout, "--heldout")
+    check_outputs("--out", [path], [])  # never a file of a model (a run's log.jsonl)
+    check_outputs("--heldout", [heldout], [])
     texts, total = {path: [], heldout: []}, 0
     for module, text in stdlib_code():
         if total >= max_bytes:

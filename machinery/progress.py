@@ -7,14 +7,14 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, launcher
 from machinery.curves import run_dir_of, saved_config
-from machinery.hf import check_saved
+from machinery.hf import check_saved, hub_id_problem
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -68,6 +68,7 @@ class Run:
     schedule_start: int  # tokens of the schedule run before this phase
     history: list  # the runs this one continues: [{phase, tokens, dir}]
     code: dict  # the code version, saved with every checkpoint
+    wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
     reloaded: bool = False  # whether a save of this invocation was reloaded and compared (hf.check_saved)
 
 
@@ -143,6 +144,9 @@ def at_its_peak(cfg, done, more, learning_rate):
         all(learning_rate(longer, t) == cfg.lr for t in range(done, done + more, per_step))
 
 
+MEMORISED = 4  # epochs of its data past which a run warns that it will memorise them; the longer: hint stops there
+
+
 def plan(r, total_steps):
     """The resolved configuration, versions, device, model, objective, schedule and batch arithmetic."""
     cfg = r.cfg
@@ -157,8 +161,13 @@ def plan(r, total_steps):
     with autocast(r.device, cfg.dtype):  # the backend the steps will run: auto's pick depends on the dtype
         backend = kernels.backend_for(r.model, r.device)
     compiled = f"compiled by {r.model.compiled_with}" if r.model.compiled_with else "eager"
-    print(f"model: {r.model.num_params():,} parameters, attention: {backend}, blocks {compiled}, loss: "
-          f"{LOSS_WORDS[r.model.loss]}")
+    kernel = kernels.BACKENDS[backend].library()
+    print(f"model: {r.model.num_params():,} parameters, attention: {backend}" + (f" ({kernel})" if kernel else "")
+          + f", blocks {compiled}, loss: {LOSS_WORDS[r.model.loss]}")
+    caveat = kernels.resume_caveat(backend, r.device, kernels.compiler_is_deterministic())
+    if caveat:  # what --resume can promise on this machine
+        print(f"warning: a --resume of this run continues within rounding, not bit for bit: {caveat}",
+              file=sys.stderr)
     objective = (f"{cfg.objective.upper()}" + (f" at {cfg.mask_rate:.0%}" if r.objective.masked else "") +
                  (", causal mask" if r.objective.causal else ", bidirectional"))
     print(f"recipe {cfg.recipe}, phase {cfg.phase}: {objective}; schedule {cfg.schedule} over "
@@ -170,7 +179,7 @@ def plan(r, total_steps):
           + (f", from epoch {seen:.2f} (where the run it continues stopped)" if seen else ""))
     for line in tracking.where(cfg.log_to, cfg.out_dir):
         print(f"tracked: {line}")
-    if seen + epochs > 4:
+    if seen + epochs > MEMORISED:
         print(f"warning: the budget is {epochs:,.1f} epochs of {cfg.data}" + (f", {seen + epochs:,.1f} with the runs "
               f"before it" if seen else "") + ": the model will memorise it; lower --tokens or prepare more data")
 
@@ -242,11 +251,17 @@ def continuations(r, total_steps, learning_rate):
     if cfg.phase == "decay":  # the end of the recipe
         return []
     hints = []
-    if not cfg.schedule_tokens and at_its_peak(cfg, r.schedule_start + r.phase_tokens, cfg.tokens, learning_rate):
+    # as many tokens again, or as many as keep its data read at most MEMORISED times (the warning a run gives)
+    room = (MEMORISED * r.loader.n_windows - r.loader.sequence) // cfg.batch_size * per_step
+    longer = min(cfg.tokens, room)
+    if not cfg.schedule_tokens and longer >= per_step and at_its_peak(cfg, r.schedule_start + r.phase_tokens, longer,
+                                                                       learning_rate):
         same = same_objective(cfg, r.objective.masked)
-        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={cfg.tokens}", "--warmup_tokens=0",
+        hints.append(("longer", handoff(out, cfg.phase, *same, f"--tokens={longer}", "--warmup_tokens=0",
                                         name="longer"),
-                      f"as many tokens again, its schedule kept, into a run of its own: {out} stays as it is"))
+                      ("as many tokens again" if longer == cfg.tokens else
+                       f"{longer:,} tokens more, up to {MEMORISED} epochs of {cfg.data}")
+                      + f", its schedule kept, into a run of its own: {out} stays as it is"))
     phase_tokens = r.phase_tokens + sum(h["tokens"] for h in same_phase_before(r.history, cfg.phase))
     if cfg.schedule == "constant" and phase_tokens // 10 >= per_step:  # a decay's default is 10% of its parent's
         more = [f"--tokens={phase_tokens // 10}"] if phase_tokens > r.phase_tokens else []
@@ -301,15 +316,19 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
         return
     every = validations(r.run_dir.log_path)
     val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
+    card = "README.md" if written(r, "README.md") else "no model card: it failed (the warning above says why)"
+    picture = f"{out}/loss.png (picture) and " if written(r, "loss.png") else ""
     print(f"done: phase {cfg.phase} (recipe {cfg.recipe}), {r.phase_tokens:,} tokens in {r.phase_step} steps, "
           f"{duration(elapsed)} this invocation; validation MLM {val.get('val_mlm', float('nan')):.4f}, "
           f"CLM {val.get('val_clm', float('nan')):.4f}"
           + (f" (before its first step: MLM {start['val_mlm']:.4f}, CLM {start['val_clm']:.4f})"
              if start and start is not val else "") + "\n"
           f"the model:  {out}/ (a Hugging Face directory: config.json, model.safetensors, tokenizer files, "
-          f"README.md)\n"
-          f"its losses: {out}/loss.png (picture) and {out}/log.jsonl\n"
-          + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out)) +
+          f"{card})\n"
+          f"its losses: {picture}{out}/log.jsonl" + ("" if picture else f" (no picture: the loss picture was not "
+                                                                       f"drawn at the last save, see above; python "
+                                                                       f"-m machinery.curves {out} draws it)") + "\n"
+          + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out, r.tracker.failed)) +
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
     for label, line, why in hints:
@@ -322,16 +341,25 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
 
 def saved(r, learning_rate):
     """After a checkpoint: the loss picture and the model card, side jobs (a failure is a warning, the checkpoint is
-    written already), and the line that says so. The first save of an invocation is reloaded as a user would and
-    compared with the model in memory (hf.check_saved: a warning if they differ); the code that ran does not change
-    within an invocation, so once is enough."""
+    written already; r.wrote says which were written, so that the card and the summary name no file that failed),
+    and the line that says so. The first save of an invocation is reloaded as a user would and compared with the
+    model in memory (hf.check_saved: a warning if they differ); the code that ran does not change within an
+    invocation, so once is enough."""
     from machinery.curves import draw_run
-    cli.side_job("the loss picture", draw_run, r.run_dir.path)
-    cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
+    drawn = []  # draw_run's path, or None without matplotlib
+    r.wrote["loss.png"] = cli.side_job("the loss picture", lambda: drawn.append(draw_run(r.run_dir.path))) and \
+        drawn[0] is not None
+    r.wrote["README.md"] = cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
     print(f"saved {r.run_dir.path} at step {r.phase_step}", flush=True)
     if not r.reloaded:
         cli.side_job("the check that the saved model reloads as it trained", check_saved, r.model, r.run_dir.path)
         r.reloaded = True
+
+
+def written(r, name):
+    """Whether the run's `name` (loss.png, README.md) is there as its last save made it: what that save's side job
+    did, or, in an invocation that saved nothing, whether the file is there."""
+    return r.wrote.get(name, os.path.isfile(os.path.join(r.cfg.out_dir, name)))
 
 
 def finish(r, total_steps, stopped_by, elapsed, learning_rate):
@@ -384,28 +412,29 @@ def card(r, learning_rate):
     lines += ["", *use(cfg), "", *intended_use(r, chain, val), "", *license_lines(cfg), "", "## Continue", "",
               *(["```bash", *(f"{line}   # {why}" for _, line, why in hints), "```"] if hints else
                 ["Nothing: the recipe ends with this phase."]), "",
-              "`log.jsonl` holds every step's record, `loss.png` draws them; `checkpoints/` (with the optimizer "
-              "state) is what `--resume` reads, not needed to use the model.", "",
+              "`log.jsonl` holds every step's record" + (", `loss.png` draws them" if written(r, "loss.png") else
+                                                          " (`python -m machinery.curves` draws them)")
+              + "; `checkpoints/` (with the optimizer state) is what `--resume` reads, not needed to use the model.",
+              "",
               "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]
     return "\n".join(lines)
 
 
-HUB_PLACEHOLDER = "USER/NAME"  # the card's hub id where --hub_id names none
-
-
 def use(cfg):
-    """The card's "Use" section: the snippet loads the hub id (--hub_id, or a placeholder the card says to
-    replace), which is what a reader of the card on the hub can load; this machine's folder in a sentence."""
-    hub_id = cfg.hub_id or HUB_PLACEHOLDER
-    upload = f"`hf upload {hub_id} {cfg.out_dir} --exclude \"checkpoints/*\"`"
-    where = (f"Published with {upload}." if cfg.hub_id else
-             f"Replace `{HUB_PLACEHOLDER}` with the hub repository this folder is uploaded to ({upload}), or name it "
-             f"at training time with `--hub_id`.")
+    """The card's "Use" section, a snippet that runs as written: it loads the hub id where --hub_id names one (what
+    a reader of the card on the hub can load), else the folder train.py wrote, from the directory it ran in (a
+    hub id the user never chose would wait for the network and fail). The other in a sentence, with the upload."""
+    upload = f"`hf upload {cfg.hub_id or 'USER/NAME'} {cfg.out_dir} --exclude \"checkpoints/*\"`"
+    here = "" if os.path.isabs(cfg.out_dir) else ", from the directory it ran in"
+    if cfg.hub_id:
+        where = (f"Published with {upload}. Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the "
+                 f"folder train.py wrote{here}.")
+    else:
+        where = (f"`{cfg.out_dir}` is the folder train.py wrote{here}. To publish it: {upload}, with your hub "
+                 f"repository for USER/NAME; trained with `--hub_id=USER/NAME`, this snippet loads it from the hub.")
     return ["## Use", "", "```python", "from transformers import pipeline",
-            f"fill = pipeline(\"fill-mask\", model={json.dumps(hub_id)})",
-            "print(fill(\"Return the [MASK] of the list.\"))", "```", "",
-            f"{where} Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the folder where train.py "
-            f"wrote it."]
+            f"fill = pipeline(\"fill-mask\", model={json.dumps(cfg.hub_id or cfg.out_dir)})",
+            "print(fill(\"Return the [MASK] of the list.\"))", "```", "", where]
 
 
 def intended_use(r, chain, val):
@@ -446,10 +475,11 @@ def license_lines(cfg):
 def base_model(init_from, state):
     """The card's base model where --base_model names none: the one of the run of ours we start from (`state`:
     its checkpoint's), or --init_from's hub id; none for a fresh model or a local directory, whose hub id is
-    unknown."""
+    unknown, nor for what is no hub id (a path that is not there: --init_from says so)."""
     if state is not None:
         return state["config"].get("base_model", "")  # none in a checkpoint written before it existed
-    return "" if init_from == "scratch" or os.path.isdir(init_from) else init_from
+    local = init_from == "scratch" or os.path.isdir(init_from) or hub_id_problem(init_from)
+    return "" if local else init_from
 
 
 def yaml_lines(meta):

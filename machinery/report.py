@@ -155,6 +155,11 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                   f"majority baseline: {metric} dev {points(base['dev'][metric])}, test {points(base['test'][metric])}"
                   + (f", test accuracy {points(base['test']['accuracy'])}" if "accuracy" in base["test"] else "")
                   + ")", ""]
+        mixed = t.get("mixed_budgets")
+        if mixed:  # a difference of arms fine-tuned differently is not their pretraining's alone
+            lines += [f"**Fine-tuning budgets differ between the runs compared** ({budgets_text(mixed, name)}): each "
+                      f"difference below, and its verdict, is that of the pretraining and of the fine-tuning budget "
+                      f"together, not of the pretraining alone.", ""]
         lines += [f"| arm | {settings} ({'chosen on dev' if chosen else 'fixed'}) | runs | dev {metric} | "
                   f"informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
                   f"(95% interval) | detectable (80% power) | verdict |", "|---" * 10 + "|"]
@@ -165,7 +170,8 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                          f"{100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
                          f"{100 * row['accuracy']:.2f} | "
                          + (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)} | "
-                            f"{detected(d)} | {d['verdict']} |" if d else "(the reference) | - | - |"))
+                            f"{detected(d)} | {d['verdict']}{' (budgets differ)' if mixed else ''} |" if d else
+                            "(the reference) | - | - |"))
         found = [row["difference"]["detectable"] for row in t["arms"].values() if "difference" in row]
         if not t["ranked"]:
             lines += ["", f"No verdict on {task}: the reference ({name(ref)}) is not informative on dev, so this task "
@@ -180,6 +186,16 @@ def finetune_markdown(comparison, names=None, settings="setting"):
     for task, files in comparison.get("left_out", {}).items():
         lines.append(f"Left out: {task}, which {', '.join(files)} lack(s).")
     return "\n".join(lines) + "\n" + INTERVAL_LEGEND + "\n"
+
+
+def budgets_text(mixed, name):
+    """The fine-tuning budgets of each arm's runs ({arm: [compare.budget of each replicate]}), in words."""
+    def words(b):
+        return (f"{b['steps'] if b['steps'] is not None else '?'} steps of {b['batch_size'] or '?'}, "
+                f"{b['train_examples'] if b['train_examples'] is not None else '?'} train examples, max_len "
+                f"{b['max_len'] or '?'}, " + (f"dev scored {b['evals']} times" if b["evals"] else
+                                              "dev scored at finetune's default points"))
+    return "; ".join(f"{name(arm)}: {' | '.join(dict.fromkeys(map(words, runs)))}" for arm, runs in mixed.items())
 
 
 NER_WORDS = {"default": "default mode (an I- tag that continues nothing starts an entity)",

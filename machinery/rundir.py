@@ -82,7 +82,8 @@ class RunDir:
     def create(cls, path, locked=False):
         """A new run in `path` (made if missing), locked when asked. Refuses a run that holds a checkpoint, a folder a run would
         overwrite, a file. A run of ours that stopped before its first checkpoint is started over (its lock
-        still keeps two processes apart)."""
+        still keeps two processes apart), its log too: it holds steps no checkpoint has (a hand-off's step-0
+        validation among them), which the run logs again."""
         path = os.path.normpath(path)
         marker = os.path.join(path, RUN_FILE)
         if os.path.lexists(path) and not os.path.isdir(path):
@@ -92,7 +93,10 @@ class RunDir:
             if run.latest_state() is not None:
                 raise InputError(f"{path} already holds a run of train.py with checkpoints; pass --resume to "
                                  f"continue it, or choose another --out_dir")
-            return run.locked() if locked else run
+            if locked:  # the process that writes the run: no other one is writing its log
+                run.lock()
+                _remove_file(run.log_path)
+            return run
         clash = [name for name in OUTPUTS if os.path.lexists(os.path.join(path, name))]
         if clash:
             raise InputError(f"{path} holds {clash[0]} but no {RUN_FILE}: it is not a run of train.py, and a new "
@@ -832,11 +836,13 @@ def load_moments(moments, checkpoint, device):
     """Adam's moments ({name: (m, v)}, filled in place) from a checkpoint's optimizer.safetensors, whose names must
     be the model's."""
     from safetensors.torch import load_file
+    from machinery.hf import check_finite
     path = os.path.join(checkpoint, OPTIMIZER)
     tensors, want = load_file(path, device=str(device)), set(moment_tensors(moments))
     if set(tensors) != want:
         raise InputError(f"{path} does not match the model: missing {sorted(want - set(tensors))[:5]}, unexpected "
                          f"{sorted(set(tensors) - want)[:5]}")
+    check_finite(tensors, path, "Adam's moment")
     for name, (m, v) in moments.items():
         m.copy_(tensors[f"exp_avg.{name}"])
         v.copy_(tensors[f"exp_avg_sq.{name}"])

@@ -14,11 +14,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from machinery.cli import InputError, die_with, read_json, source_digest, write_json
+from machinery.planfiles import check_plan, check_record
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
 GRACE = 60  # seconds a stage has to stop after SIGTERM (a training ends its step and saves) before SIGKILL
@@ -133,23 +135,33 @@ def fingerprint(stages, out, study, scale):
 
 
 def check_out(out, plan):
-    """OUT is new, empty, or holds this very plan; otherwise one InputError naming the stages that differ."""
+    """OUT is new, empty, or holds this very plan, and can be written; otherwise one InputError naming the stages
+    that differ, or why OUT cannot be written."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out={out}: a file; expected a directory")
+    check_writable(out)
     path = out / "plan.json"
     if not path.exists():
         if out.exists() and any(out.iterdir()):
             raise InputError(f"--out={out} is not empty and holds no plan.json, so it is no experiment of "
                              f"reproduce.py; choose a new --out")
         return
-    old = read_json(path, "the plan of a reproduce.py experiment")
-    if not isinstance(old, dict) or not isinstance(old.get("stages"), dict):
-        raise InputError(f"{path}: not a plan of reproduce.py (no 'stages' object); choose a new --out")
+    old = check_plan(read_json(path, "the plan of a reproduce.py experiment"), path)
     if old.get("fingerprint") != plan["fingerprint"]:
         raise InputError(f"--out={out} holds the results of another command ({differences(old, plan)}); finished "
                          f"stages are never re-run in place nor mixed into another command's report: choose a new "
                          f"--out, or delete {out} to start over")
     check_finished(out, plan)
+
+
+def check_writable(out):
+    """OUT, or the folder it would be made in, takes a new folder (made and removed: nothing is left), so that a dry
+    run meets what the run would: a read-only disk, a path through a file, a folder of someone else's."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".reproduce-check-").cleanup()
+    except OSError as e:
+        raise InputError(f"--out={out}: cannot write there ({existing}: {e.strerror or e})") from None
 
 
 def check_finished(out, plan):
@@ -208,7 +220,8 @@ def stage_record(out, name, fingerprint_):
     """A stage's record, if it was written for this fingerprint; else {}."""
     path = out / "stages" / f"{name}.json"
     saved = read_json(path, "a stage record of reproduce.py") if path.exists() else {}
-    return saved if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint_ else {}
+    ours = isinstance(saved, dict) and saved.get("fingerprint") == fingerprint_
+    return check_record(saved, path) if ours else {}
 
 
 def launch(stage, out, fingerprint_, threads):
@@ -320,7 +333,8 @@ def run(stages, out, plan, jobs, cores):
 def stage_times(out, stages):
     """Each stage's time, their sum, and the wall time: the time at least one stage ran (pauses between
     invocations left out; an interrupted attempt's time is not counted)."""
-    records = {s.name: read_json(out / "stages" / f"{s.name}.json") for s in stages}
+    records = {s.name: check_record(read_json(out / "stages" / f"{s.name}.json"), out / "stages" / f"{s.name}.json")
+               for s in stages}
     spans, wall, reach = sorted((r["start"], r["end"]) for r in records.values()), 0.0, -math.inf
     for start, end_ in spans:
         wall += max(0.0, end_ - max(start, reach))

@@ -1,8 +1,10 @@
 """Token files read back: meta.json and each split's .bin checked against each other before any step, so that a file
-cut short, of another dtype or of another tokenizer stops a run with one line naming it. A reader of the recipe may
-skip this file: data.py's Loader calls it.
+cut short, of another dtype or of another tokenizer, or overwritten with other tokens, stops a run with one line
+naming it. A reader of the recipe may skip this file: data.py's Loader calls it.
 """
+import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ def load_meta(data_dir):
     ids += meta["special_ids"] if isinstance(meta["special_ids"], list) else [None]
     counts = {s: splits[s].get("tokens") if isinstance(splits[s], dict) else None
               for s in splits} if isinstance(splits, dict) else {}
+    digests = {s: splits[s].get("sample_sha256", "0" * 64) for s in SPLITS if isinstance(counts.get(s), int)}
     for ok, expected in [  # in order, each asked only when those before it hold
             (lambda: is_int(vocab) and 0 < vocab <= MAX_VOCAB,
              f"vocab_size an integer in [1, {MAX_VOCAB}], got {vocab!r}"),
@@ -41,7 +44,9 @@ def load_meta(data_dir):
             (lambda: set(SPLITS) <= set(counts) and all(is_int(n) and 0 <= n < 1 << 62
                                                        for n in counts.values()),
              f"splits {' and '.join(SPLITS)}, each with its tokens an integer >= 0, got "
-             f"{counts if isinstance(splits, dict) else splits}")]:
+             f"{counts if isinstance(splits, dict) else splits}"),
+            (lambda: all(re.fullmatch(r"[0-9a-f]{64}", str(d)) for d in digests.values()),
+             f"each split's sample_sha256 64 hex digits (written by data.py prepare), got {list(digests.values())}")]:
         if not ok():
             raise InputError(f"{path}: expected {expected}")
     return meta
@@ -80,7 +85,37 @@ def split_tokens(data_dir, meta, split):
         raise InputError(f"{path}: ids up to {ids.max()} at sample positions (the first at token "
                          f"{at[np.argmax(ids >= vocab)]}), above the vocabulary of {vocab} in "
                          f"{where} (a file of another tokenizer or dtype?)")
+    want = splits[split].get("sample_sha256")  # a meta.json older than the fingerprint has none
+    if want is not None and sample_digest(ids) != want:
+        raise InputError(f"{path}: not the tokens data.py prepare wrote there: the digest of its {len(at):,} sampled "
+                         f"ids differs from {where}'s (overwritten since with {n:,} other tokens?); put the file back, "
+                         f"or prepare the data again")
     return n
+
+
+def sample_digest(ids):
+    """The fingerprint of a token file: the sha256 of its ids at sample_positions, which every open reads anyway (no
+    extra read, however large the file). data.py prepare writes it into meta.json; the Loader keeps it in each
+    checkpoint, so that a resume and a hand-off read the tokens the run read."""
+    return hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest()
+
+
+def file_digest(path, dtype, n):
+    """sample_digest of the n tokens of dtype in the file at path (prepare's, once the file is written)."""
+    return sample_digest(read_at(path, np.dtype(dtype), sample_positions(n)) if n else np.zeros(0, dtype))
+
+
+def check_same_tokens(saved, now, path, where):
+    """The tokens a run continues from (`saved`: the fingerprint its checkpoint's loader holds) are the ones in
+    `path` now (`now`: meta.json's, checked against the file at its open); either may be None (written before the
+    fingerprint), and then nothing is compared."""
+    if saved is not None and type(saved) is not str:
+        raise InputError(f"{where}: sample_sha256 is {saved!r}, expected a string (the token file's fingerprint)")
+    if saved is not None and now is not None and saved != now:
+        raise InputError(f"{where}: the run read other tokens than {path} holds now (its fingerprint {saved[:12]}, "
+                         f"now {now[:12]}): the data was prepared again or replaced since, and the position it "
+                         f"continues names windows of the tokens it read. Put that data back, or start from its "
+                         f"weights alone (--weights_only)")
 
 
 def sample_positions(n):

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from machinery.cli import InputError, read_json, usable_cores
+from machinery.cli import InputError, read_json, usable_cores, write_text
+from machinery.hf import hub_id_problem
 
 # Hugging Face's ByteLevel pre-tokenizer splits with the GPT-2 pattern.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -246,9 +247,10 @@ class Tokenizer:
             ("special_tokens_map.json", tokens, 2)]}
 
     def save_pretrained(self, out_dir):
-        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json, which AutoTokenizer loads."""
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json, which AutoTokenizer loads, each
+        whole or not at all."""
         for name, text in self.hf_files.items():
-            Path(out_dir, name).write_text(text, encoding="utf-8")
+            write_text(Path(out_dir, name), text)
 
 
 def load_tokenizer(spec):
@@ -257,7 +259,7 @@ def load_tokenizer(spec):
     if spec == "bytes":
         return Tokenizer(bytes_config(), spec)
     path = Path(spec)
-    if not path.exists() and not spec.endswith(".json") and spec.count("/") == 1:
+    if not path.exists() and not spec.endswith(".json") and not hub_id_problem(spec):
         try:
             from huggingface_hub import hf_hub_download
             path = Path(hf_hub_download(spec, "tokenizer.json"))

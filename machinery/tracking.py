@@ -17,8 +17,9 @@ PROJECT = "modernbert"  # the W&B and trackio project, unless $WANDB_PROJECT or 
 
 
 def names(log_to):
-    """--log_to's trackers, checked: known names, each installed. Before any data is read."""
-    chosen = [n.strip() for n in log_to.split(",") if n.strip()]
+    """--log_to's trackers, checked: known names, each installed. Before any data is read. "none" (Hugging Face's
+    word for no tracker) is none."""
+    chosen = [n.strip() for n in log_to.split(",") if n.strip()] if log_to.strip() != "none" else []
     twice = sorted({n for n in chosen if chosen.count(n) > 1})
     if twice:  # it would get every point twice
         raise InputError(f"--log_to={log_to}: {', '.join(twice)} is named twice; name each tracker once")
@@ -37,6 +38,7 @@ class Trackers:
 
     def __init__(self, log_to="", out_dir="", run_id="", config=None, first_step=1):
         self.sinks = {}  # name -> tracker, those still working
+        self.failed = {}  # name -> where it failed (at step N, or closing): what the summary says of it
         try:
             for name in names(log_to):
                 self.sinks[name] = TRACKERS[name](out_dir, run_id, config, first_step)
@@ -56,11 +58,13 @@ class Trackers:
             if not side_job(f"--log_to: {name} at step {record['step']}", sink.log, scalars, record["step"],
                             then="it gets no more records in this run; log.jsonl holds them all"):
                 del self.sinks[name]
+                self.failed[name] = f"at step {record['step']}"
                 side_job(f"--log_to: closing {name}", sink.close)
 
     def close(self):
         for name, sink in self.sinks.items():
-            side_job(f"--log_to: closing {name}", sink.close)
+            if not side_job(f"--log_to: closing {name}", sink.close):
+                self.failed[name] = "closing (its last records may be lost)"
         self.sinks = {}
 
 
@@ -119,8 +123,9 @@ TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}  # -
 # Where each tracker keeps the records and how to look at them: said when a run starts and when it ends.
 
 
-def where(log_to, out_dir):
-    """A line per tracker of --log_to: where its records are, and the command that shows them."""
+def where(log_to, out_dir, failed=None):
+    """A line per tracker of --log_to: where its records are, and the command that shows them; for one that failed
+    (`failed`: Trackers.failed), where it failed and that log.jsonl holds every record."""
     board = os.path.join(out_dir, "tensorboard")
     wandb = os.path.join(out_dir, "wandb")
     views = {
@@ -131,4 +136,7 @@ def where(log_to, out_dir):
                  f"{wandb}/offline-run-*",
         "trackio": f"trackio project {os.environ.get('TRACKIO_PROJECT', PROJECT)}; to view it: trackio show --project "
                    f"{os.environ.get('TRACKIO_PROJECT', PROJECT)}"}
-    return [views[name] for name in (n.strip() for n in log_to.split(",")) if name in views]
+    failed, names = failed or {}, [n.strip() for n in log_to.split(",")]
+    return [f"{name} failed {failed[name]} (the warning above says why): it holds the records before that; "
+            f"log.jsonl holds them all" if name in failed else views[name] for name in names
+            if name in failed or name in views]

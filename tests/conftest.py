@@ -89,6 +89,12 @@ def made_up_texts(path, count, shortest, longest):
     return path
 
 
+def pytest_runtest_logreport(report):
+    """Under `bench.py gpu-report`, each test's result written as it ends (machinery/gpureport.py)."""
+    from machinery import gpureport
+    gpureport.record(report)
+
+
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory):
     """The embedded demo corpus (stdlib docstrings, its own small BPE), prepared once per test session."""

@@ -24,13 +24,26 @@ def padded_batch(B=3, T=200, lengths=(200, 150, 37), seed=1):
     return ids, mask.long(), labels, docs
 
 
-@pytest.fixture
-def fake_flash(monkeypatch):
-    """The model's flash backend, running the double on a CPU."""
-    monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
+def use_flash_double(monkeypatch, kernel="flash-attn"):
+    """The model's flash backend on a CPU, through the double of flash-attn's kernel or of PyTorch's own (which it
+    uses where flash-attn is not installed)."""
+    flash_attn = fake_flash_attn.flash_attn_varlen_func if kernel == "flash-attn" else None
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn)
+    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
     monkeypatch.setattr(kernels.Flash, "available", staticmethod(lambda device: True))
     fake_flash_attn.calls.clear()
     return fake_flash_attn.calls
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    return use_flash_double(monkeypatch)
+
+
+@pytest.fixture(params=["flash-attn", "pytorch"])
+def either_flash(monkeypatch, request):
+    """The flash backend through each of its two kernels."""
+    return use_flash_double(monkeypatch, request.param)
 
 
 # --- every backend against the reference ----------------------------------------------------------------------
@@ -77,15 +90,15 @@ def largest_difference(got, want):
 @pytest.mark.parametrize("padded, separate_docs", LAYOUTS)
 @pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_every_backend_equals_the_reference_attention(fake_flash, causal, local, padded, separate_docs):
-    """SDPA and flash-attn (its double) forward and backward, FlexAttention forward (no CPU backward), against
+def test_every_backend_equals_the_reference_attention(either_flash, causal, local, padded, separate_docs):
+    """SDPA and flash (each kernel's double) forward and backward, FlexAttention and flex+sdpa forward, against
     model.reference_attention on one layer: outputs on the real tokens and the gradients of q, k and v equal to
     fp32 rounding (seen: 3.1e-6 at most, gradients up to 5 in size). The other mode's reference is far outside
     that: a wrong mask shows."""
     qkv, token_mask, doc_ids, out_grad = attention_case(padded, separate_docs)
     want = attend("reference", qkv, causal, local, token_mask, doc_ids, out_grad)
-    for name in ("sdpa", "flash", "flex"):
-        got = attend(name, qkv, causal, local, token_mask, doc_ids, None if name == "flex" else out_grad)
+    for name in ("sdpa", "flash", "flex", "flex+sdpa"):  # FlexAttention has no CPU backward
+        got = attend(name, qkv, causal, local, token_mask, doc_ids, None if "flex" in name else out_grad)
         out_error, grad_error = largest_difference(got, want)
         assert out_error <= 1e-5 and grad_error <= 1e-5, (name, out_error, grad_error)
     wrong = attend("reference", qkv, not causal, local, token_mask, doc_ids, out_grad)
@@ -109,7 +122,7 @@ def test_auto_never_picks_the_reference():
         assert not kernels.BACKENDS["reference"].auto(device)
     cpu = torch.device("cpu")
     assert kernels.pick_backend(cpu, "reference", training=True) == "reference" != kernels.pick_backend(cpu)
-    with pytest.raises(InputError, match="expected auto, flash, flex, sdpa, reference"):
+    with pytest.raises(InputError, match=r"expected auto, flash, flex, flex\+sdpa, sdpa, reference"):
         kernels.pick_backend(cpu, "referense")
 
 
@@ -129,7 +142,7 @@ def run(model, backend, ids, mask, labels, causal, docs):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_flash_backend_matches_sdpa_on_padded_batches(fake_flash, causal, with_docs):
+def test_flash_backend_matches_sdpa_on_padded_batches(either_flash, causal, with_docs):
     model = tiny_model().train()  # dropout 0: train mode changes nothing but autograd bookkeeping
     ids, mask, labels, docs = padded_batch()
     docs = docs if with_docs else None
@@ -139,11 +152,15 @@ def test_flash_backend_matches_sdpa_on_padded_batches(fake_flash, causal, with_d
     assert abs(got[1].item() - want[1].item()) <= 1e-5
     for name in want[2]:
         assert (got[2][name] - want[2][name]).abs().max().item() <= 1e-5, name
-    # what the kernel was asked for: flash-attn's window convention, one varlen sequence per row or document
-    local = (model.config.window, 0 if causal else model.config.window)
-    assert {(c, w) for c, w, _ in fake_flash} == {(causal, (-1, -1)), (causal, local)}
+    # what the kernel was asked for: the window convention, one varlen sequence per row or document
+    w = model.config.window
+    if kernels.flash_attn_varlen_func:  # flash-attn: a causal flag, and a window on the local layers only
+        asked = {(causal, (-1, -1)), (causal, (w, 0 if causal else w))}
+    else:  # PyTorch's: no causal flag; a causal window ends at the query
+        asked = {(None, (-1, 0 if causal else -1)), (None, (w, 0 if causal else w))}
+    assert {(c, w) for c, w, _ in either_flash} == asked
     n_seq = 3 + 3 + 1 if with_docs else 3  # documents of <= 70 tokens: 200 real tokens -> 3, 150 -> 3, 37 -> 1
-    assert {n for *_, n in fake_flash} == {n_seq}
+    assert {n for *_, n in either_flash} == {n_seq}
 
 
 def test_flash_backend_without_padding_runs_the_whole_rows(fake_flash):

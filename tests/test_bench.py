@@ -50,30 +50,58 @@ OUTCOMES = {"test_suite::test_passes": "passed", "test_suite::test_fails": "fail
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    """gpu-report, run once on a CPU with two doubles: a small pytest suite (pass, fail, skip, error) for the gpu
-    suite, and `bench.py train` on the tiny preset on the CPU for the GPU bench. Returns (exit status, what it
-    printed, the markdown file, the bench rows it wrote with --json, the two commands)."""
-    tmp = tmp_path_factory.mktemp("report")
-    (tmp / "test_suite.py").write_text(SUITE)
-    (tmp / "pytest.ini").write_text("[pytest]\n")
+def train_bench(tmp_path_factory):
+    """`bench.py train` on the tiny preset on the CPU, once: (what it printed, the rows it wrote with --json)."""
+    rows = tmp_path_factory.mktemp("train") / "rows.json"
     threads = torch.get_num_threads()  # the bench sets its own; the tests after this one keep theirs
-    suite = f"python -m pytest {tmp / 'test_suite.py'} -c {tmp / 'pytest.ini'} -p no:cacheprovider"
-    train = "python bench.py train " + " ".join(TINY) + f" --json={tmp / 'rows.json'}"
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as stdout:
-        mp.setattr(bench, "SUITE", suite)
-        mp.setattr(bench, "BENCH", train)
-        mp.setattr(bench, "environment", lambda device: [("GPU", f"none: {device} | a test double")])
-        status = bench.gpu_report(bench.parser().parse_args(["gpu-report", f"--out={tmp / 'report.md'}",
-                                                             "--threads=1"]))
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        bench.main(["train", *TINY, f"--json={rows}"])
     torch.set_num_threads(threads)
-    rows = json.loads((tmp / "rows.json").read_text())
-    return status, stdout.getvalue(), (tmp / "report.md").read_text(), rows, suite, train
+    return stdout.getvalue(), json.loads(rows.read_text())
+
+
+# gpu-report's training rows on a CPU: the tiny preset, a lever against today's step, a row against transformers
+CPU_TODAY = bench.Setting("tiny", "mlm", 160, 2, "sdpa", compile="none", peer=False)
+CPU_LEVERS = [("today's step", CPU_TODAY),
+              ("a bf16 residual stream", bench.dataclasses.replace(CPU_TODAY, residual="bf16")),
+              ("against transformers", bench.dataclasses.replace(CPU_TODAY, phase="clm", peer=True))]
+
+
+def suite_folder(tmp):
+    """A small pytest suite (pass, fail, skip, error) standing in for the gpu suite, with the hook that records each
+    result (tests/conftest.py's, which a suite outside tests/ does not load). Returns its command."""
+    (tmp / "test_suite.py").write_text(SUITE)
+    (tmp / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                                     "from machinery.gpureport import record as pytest_runtest_logreport\n")
+    (tmp / "pytest.ini").write_text("[pytest]\n")
+    return f"python -m pytest {tmp / 'test_suite.py'} -c {tmp / 'pytest.ini'} -p no:cacheprovider"
+
+
+def cpu_gpu_report(tmp, **patches):
+    """gpu-report on a CPU with doubles for the GPU's parts: the small suite, CPU_LEVERS, a small attention layer.
+    Returns (exit status, what it printed, the markdown, the suite's command)."""
+    suite = suite_folder(tmp)
+    threads = torch.get_num_threads()
+    args = bench.parser().parse_args(["gpu-report", f"--out={tmp / 'report.md'}", "--threads=1", "--minutes=5"])
+    args.device, args.workers = torch.device("cpu"), 1
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as stdout:
+        for name, value in {**dict(SUITE=suite, LEVERS=CPU_LEVERS, ATTENTION=dict(B=1, T=64, H=2, D=16)),
+                            **patches}.items():
+            mp.setattr(bench, name, value)
+        mp.setattr(bench.gpureport, "environment", lambda device: [("GPU", f"none: {device} | a test double")])
+        status = bench.gpu_report(args)
+    torch.set_num_threads(threads)
+    return status, stdout.getvalue(), (tmp / "report.md").read_text(), suite
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return cpu_gpu_report(tmp_path_factory.mktemp("report"))
 
 
 @pytest.mark.slow  # the tiny preset trained on the CPU by bench.py: about 10 s
-def test_bench_train_prints_the_table_and_the_losses_agree(report):
-    _, stdout, _, rows, *_ = report
+def test_bench_train_prints_the_table_and_the_losses_agree(train_bench):
+    stdout, rows = train_bench
     lines = [line.split("|") for line in stdout.splitlines() if line.startswith("tiny")]
     assert [line[0].split()[1] for line in lines] == [r["phase"] for r in rows] == ["clm", "clm", "mlm", "mlm"]
     assert [r["micro"] for r in rows] == [2, OOM_MICRO] * 2 and [r["ours"] == "OOM" for r in rows] == [False, True] * 2
@@ -165,23 +193,23 @@ def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
     """The suite runs in half the cores' test processes, at most 8, where pytest-xdist is installed, and the
     report names the command it ran; without pytest-xdist it runs in one, and --workers=2 is one error."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     out = f"--out={tmp_path / 'r.md'}"
     for cores, want in ((1, 1), (2, 1), (16, 8), (64, 8)):
         monkeypatch.setattr(bench, "usable_cores", lambda: cores)
         args = bench.parser().parse_args(["gpu-report", out])
         bench.resolve(args)
         assert args.workers == want, cores
+    assert args.device == torch.device("cuda:0")
     ran, resolve = [], bench.resolve
-    monkeypatch.setattr(bench.subprocess, "run",
-                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 5))  # 5: no tests ran
-    monkeypatch.setattr(bench, "resolve", lambda train_args: setattr(train_args, "device", torch.device("cpu")))
-    monkeypatch.setattr(bench, "bench_train", lambda train_args, rows: None)
-    monkeypatch.setattr(bench, "environment", lambda device: [])
-    args.threads = 1
+    monkeypatch.setattr(bench.gpureport, "run_suite", lambda cmd, results, seconds: ran.append(cmd) or (5, 0.0))
+    monkeypatch.setattr(bench.gpureport, "environment", lambda device: [])
+    monkeypatch.setattr(bench, "attention_rows", lambda device, **shape: [])
+    monkeypatch.setattr(bench, "LEVERS", [])
+    args.threads, args.device = 1, torch.device("cpu")
     with contextlib.redirect_stdout(io.StringIO()):
         bench.gpu_report(args)
-    monkeypatch.setattr(bench, "resolve", resolve)
-    assert ran[0][1:6] == ["-m", "pytest", "-m", "gpu", "-rA"] and ran[0][6:8] == ["-n", "8"]
+    assert ran == ["python -m pytest -m gpu -rA -n 8"]
     assert "## `python -m pytest -m gpu -rA -n 8`:" in (tmp_path / "r.md").read_text()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a))
@@ -248,9 +276,9 @@ def table_rows(markdown, first_cell):
     return [[c.strip() for c in r] for r in rows if r[0].strip().startswith(first_cell)]
 
 
-@pytest.mark.slow  # shares the bench run above
-def test_gpu_report_writes_the_suite_and_the_bench_in_one_file(report):
-    status, _, markdown, rows, suite, train = report
+@pytest.mark.slow  # the small suite in a process, and three tiny training rows: about 20 s
+def test_gpu_report_writes_the_suite_the_kernels_and_the_levers_in_one_file(report):
+    status, _, markdown, suite = report
     assert status == 1  # a test failed
     assert markdown.startswith("# GPU acceptance, 20") and "| GPU | none: cpu \\| a test double |" in markdown
     assert f"## `{suite}`: 2 passed, 2 failed, 1 error, 1 skipped in " in markdown
@@ -261,14 +289,110 @@ def test_gpu_report_writes_the_suite_and_the_bench_in_one_file(report):
     assert "the fixture broke" in tests["test_suite::test_errors"][3]
     assert all(float(row[2]) >= 0 for row in tests.values())
 
-    assert f"## `{train}`: ours against transformers" in markdown
-    cells = table_rows(markdown, "tiny")
-    assert len(cells) == 4 and all(len(row) == 13 for row in cells)
-    assert all(row[4] == row[8] == "OOM" and row[-1] == "- / -" for row in cells[1::2])
-    for row, (_, phase, seq, attn, ours, mfu, gib, peer_attn, peer, *_, ratio, losses) in zip(rows[::2], cells[::2]):
-        peer_mask = "sdpa+causal mask" if phase == "clm" else "sdpa"  # transformers has no causal mode of its own
-        assert (phase, seq, attn, peer_attn, mfu, gib) == (row["phase"], "160 x 2", "sdpa", peer_mask, "-", "-")
-        assert ours == f"{row['ours']['tokens_per_s']:,.0f}" and peer == f"{row['peer']['tokens_per_s']:,.0f}"
-        ours_loss, peer_loss = map(float, losses.split(" / "))
-        assert ours_loss == pytest.approx(row["loss_ours"], abs=1e-4) and abs(ours_loss - peer_loss) <= 1e-3
-        assert ratio == f"{row['ours']['tokens_per_s'] / row['peer']['tokens_per_s']:.2f}x"
+    kernels = table_rows(markdown, "global") + table_rows(markdown, "local")
+    assert [(layer, kernel) for layer, kernel, *_ in kernels] == [  # on a CPU: SDPA alone trains
+        ("global, bidirectional", "sdpa"), ("global, causal", "sdpa"), ("local, bidirectional", "sdpa"),
+        ("local, causal", "sdpa")]
+    ms, speed = float(kernels[0][2]), float(kernels[0][3])
+    assert speed == pytest.approx(12 * 2 * 16 * 64 * 64 / (ms / 1e3) / 1e12, abs=0.5)  # 12 d per key and token
+
+    rows = {r[0]: r for r in table_rows(markdown, "today") + table_rows(markdown, "a bf16")
+            + table_rows(markdown, "against")}
+    today, lever, peer = rows["today's step"], rows["a bf16 residual stream"], rows["against transformers"]
+    assert today[10] == "-" and float(lever[10].rstrip("x")) == pytest.approx(
+        float(lever[7].replace(",", "")) / float(today[7].replace(",", "")), abs=0.01)  # against today's step
+    assert lever[6] == "bf16" and today[6] == "fp32" and today[5] == "deterministic"
+    assert peer[11] == "sdpa+causal mask" and peer[13].endswith("x")
+    ours_loss, peer_loss = map(float, peer[14].split(" / "))
+    assert abs(ours_loss - peer_loss) <= 1e-3  # the same computation on the same batch
+
+
+def test_gpu_report_runs_what_fits_in_its_time(tmp_path):
+    """Training rows that would end past --minutes are listed as not run, and the report fails (it is incomplete)."""
+    status, stdout, markdown, _ = cpu_gpu_report(tmp_path, ROW_SECONDS=10**9, SUITE="python -c pass")
+    assert status == 1 and "today's step: not run (time)" in stdout
+    assert len([row for row in table_rows(markdown, "") if "not run: the time limit" in row]) == 3
+
+
+@pytest.mark.slow  # a pytest process stopped at its limit of 20 s
+def test_a_suite_past_its_time_is_stopped_with_what_ran(tmp_path):
+    """gpu-report's suite runs in a session of its own: stopped at its limit (SIGINT, then SIGKILL), the results of
+    the tests that ended before are kept."""
+    suite = suite_folder(tmp_path)
+    (tmp_path / "test_suite.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                            "def test_slow():\n    time.sleep(600)\n")
+    code, seconds = bench.gpureport.run_suite(suite, tmp_path / "results.jsonl", 20)
+    assert code is None and seconds < 80
+    assert [r[:2] for r in bench.gpureport.suite_results(tmp_path / "results.jsonl")] == [("test_suite::test_quick",
+                                                                                          "passed")]
+
+
+def lever_step(model, bf16):
+    """The loss and every gradient of one step of the tiny model on a fixed batch, fp32 or under CPU bf16 autocast."""
+    from model import IGNORE_INDEX
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 160), generator=g)
+    labels = torch.where(torch.rand(2, 160, generator=g) < 0.3, ids, IGNORE_INDEX)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = model(ids, labels=labels)[1]
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
+def test_a_bf16_residual_stream_holds_the_fp32_step_within_bf16_rounding():
+    """A lever gpu-report times, on a CPU under bf16 autocast against the fp32 step on the same weights and batch,
+    within the GPU suite's bf16 tolerance (loss within 1%, each gradient within cosine 0.99 and norm 5%); and the
+    stream between the blocks is bf16 (the lever does what it says)."""
+    from conftest import tiny_model
+    from test_gpu import assert_close_in_bf16
+    model, seen = tiny_model().train(), []
+    bench.bf16_residual(model)
+    model.model.layers[1].register_forward_hook(lambda module, inputs, out: seen.append(out.dtype))
+    assert_close_in_bf16(lever_step(model, bf16=True), lever_step(tiny_model().train(), bf16=False), "bf16 residual")
+    assert seen == [torch.bfloat16]
+
+
+@pytest.mark.slow  # dynamo traces the whole encoder: about 20 s
+def test_the_whole_encoder_compiled_holds_the_fp32_step_within_bf16_rounding():
+    """The lever of one graph for the whole encoder (dynamo's graphs run by aot_eager: the GPU's graphs without C++
+    code generation), as above."""
+    from conftest import tiny_model
+    from test_gpu import assert_close_in_bf16
+    model = tiny_model().train()
+    bench.compile_encoder(model, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        assert_close_in_bf16(lever_step(model, bf16=True), lever_step(tiny_model().train(), bf16=False), "compiled")
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_gpu_figures_in_the_docs_are_the_reports():
+    """docs/gpu.md's figures of 2026-11-28 (the attention kernels, the levers, transformers at 1,024 tokens, the
+    report's minutes) are read from the report gpu-report wrote, cell by cell, never typed from memory."""
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    report = (ROOT / "docs" / "gpu-h200" / "report-2026-11-28.md").read_text()
+    section = docs[docs.index("**The step's levers, measured"):docs.index("**Where that leaves the step.**")]
+    kernels = {(row[0], row[1]): row[2:] for row in table_rows(report, "global") + table_rows(report, "local")}
+    columns = ["flex", "flash", "sdpa", "sdpa: cuDNN", "sdpa: its flash kernel", "sdpa: memory-efficient"]
+    for row in table_rows(section, "global") + table_rows(section, "local"):
+        for kernel, text in zip(columns, row[1:]):
+            if text != "-":  # "9.45 ms, 261.7": the report's ms and TFLOP/s
+                ms, speed = re.fullmatch(r"(?:\(dense mask\) )?([\d.]+) ms, ([\d.]+)", text).groups()
+                assert [ms, speed] == kernels[row[0], kernel], (row[0], kernel, text)
+    levers = {(r[0], r[1]): r for r in table_rows(report, "") if len(r) == 15}
+    names = {"--backend=flash (PyTorch's kernel)": "--backend=flash",
+             "the whole encoder compiled, not each block": "the whole encoder compiled",
+             "inductor times its kernels (no deterministic mode)": "inductor times its kernels"}
+    mine = [r for r in table_rows(section, "") if len(r) == 6 and r[0] != "row"]
+    assert len(mine) == 8
+    for label, phase, speed, mfu, gib, versus in mine:
+        want = levers[names.get(label, label), phase]
+        assert [speed, mfu, gib, versus] == [want[7], want[8], want[9], want[10]], (label, want)
+    for phase, words in (("mlm", "MLM {} against\n{} tokens/s ({})"), ("clm", "CLM {} against {} ({})")):
+        want = levers["against transformers", phase]
+        assert words.format(want[7], want[12], want[13]) in section, phase
+    minutes = re.search(r"`: ([\d.]+) minutes in all", report).group(1)
+    suite = re.search(r"-n 12`: .* in ([\d.]+) min", report).group(1)
+    assert f"**Measured:** {minutes} minutes on an H200 (16 cores), the\nsuite in {suite} of them" in docs

@@ -174,14 +174,74 @@ def test_flash_asks_for_a_deterministic_backward(fake_flash):
     assert fake_flash.determinism and all(fake_flash.determinism)
 
 
-def test_compiled_kernels_are_chosen_without_timing_them(monkeypatch):
-    """--resume's bit-for-bit promise needs inductor's deterministic mode: by default it times a reduction's
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_trainer_sets_inductors_deterministic_mode_from_its_flag(monkeypatch, demo_corpus, tmp_path, flag):
+    """--resume's bit-for-bit promise needs inductor's deterministic mode (by default it times a reduction's
     settings at first launch and keeps the fastest, which changes the order of the sums from one process to the
-    next."""
+    next): train.py turns it on, or off with --deterministic=false, before anything compiles."""
     import torch._inductor.config as inductor
-    monkeypatch.setattr(inductor, "deterministic", False)
-    kernels.compile_blocks(tiny_model())  # lazy: nothing compiles before the first call
-    assert inductor.deterministic is True
+    monkeypatch.setattr(inductor, "deterministic", not flag)
+    train.main([f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", "--preset=tiny", "--seq_len=64",
+                "--batch_size=2", "--tokens=128", "--eval_sequences=2", f"--deterministic={flag}"])
+    assert inductor.deterministic is flag
+
+
+def test_resume_promises_bit_for_bit_only_where_every_kernel_repeats(monkeypatch):
+    """What a run says --resume will give: bit for bit on a CPU (no compiled kernels, SDPA's CPU kernels repeat);
+    within rounding, saying why, with SDPA's CUDA backward or PyTorch's FlashAttention backward (atomics), kernels
+    that inductor times, and on CUDA whatever the backend, where kill-and-resume has not been shown bit for bit."""
+    import torch._inductor.config as inductor
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels.resume_caveat("sdpa", cpu, False) is None
+    assert kernels.resume_caveat("flex", cuda, True) == kernels.resume_caveat("reference", cuda, True) \
+        == kernels.GPU_RESUME
+    assert "atomics" in kernels.resume_caveat("sdpa", cuda, True)
+    assert "inductor times" in kernels.resume_caveat("flex", cuda, False)
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
+    assert kernels.resume_caveat("flash", cuda, True) == kernels.GPU_RESUME
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    assert "PyTorch's FlashAttention backward adds dQ up with atomics" in kernels.resume_caveat("flash", cuda, True)
+    # a PyTorch without the mode: deterministic_compiler says so, and the promise narrows
+    monkeypatch.delattr(inductor, "deterministic")
+    assert kernels.deterministic_compiler(True) is False and kernels.compiler_is_deterministic() is False
+    assert "inductor times" in kernels.resume_caveat("flex", cuda, kernels.compiler_is_deterministic())
+
+
+def test_a_run_says_when_its_resume_would_not_be_bit_for_bit(monkeypatch, demo_corpus, tmp_path, capsys):
+    """The start of a run with PyTorch's FlashAttention (its double, on a CPU) warns, once, that a --resume of it
+    continues within rounding; a run whose kernels all repeat says nothing of the kind."""
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
+    for check in ("available", "trains"):
+        monkeypatch.setattr(kernels.Flash, check, staticmethod(lambda device: True))
+    run = [f"--data={demo_corpus}", "--preset=tiny", "--seq_len=64", "--batch_size=2", "--tokens=128",
+           "--eval_sequences=2"]
+    train.main([*run, f"--out_dir={tmp_path / 'flash'}", "--backend=flash"])
+    out, err = capsys.readouterr()
+    assert "attention: flash (PyTorch's varlen_attn)" in out
+    assert err.count("a --resume of this run continues within rounding, not bit for bit: --backend=flash: "
+                     "PyTorch's FlashAttention backward adds dQ up with atomics") == 1
+    train.main([*run, f"--out_dir={tmp_path / 'sdpa'}", "--backend=sdpa"])
+    assert "within rounding" not in capsys.readouterr().err
+
+
+def test_auto_picks_flash_only_where_its_backward_repeats(monkeypatch):
+    """On CUDA (faked), where flash-attn is missing but PyTorch has its own FlashAttention: --backend=flash runs it,
+    auto keeps FlexAttention (whose backward repeats bit for bit). With flash-attn, auto picks flash. With neither,
+    --backend=flash is refused naming what it needs."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
+    assert kernels.Flash.library() == "PyTorch's varlen_attn"
+    assert kernels.pick_backend(cuda, "flash", training=True, dtype=bf16) == "flash"
+    assert kernels.pick_backend(cuda, training=True, dtype=bf16) == "flex"
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
+    assert kernels.Flash.library() == "flash-attn" and kernels.pick_backend(cuda, training=True, dtype=bf16) == "flash"
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(kernels, "varlen_attn", None)
+    with pytest.raises(InputError, match=r"'flash' is not available on cuda: it needs CUDA, and flash-attn or "
+                                         r"PyTorch >= 2.11"):
+        kernels.pick_backend(cuda, "flash", training=True, dtype=bf16)
 
 
 def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):
@@ -192,7 +252,8 @@ def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypa
     for name, value in torchrun.items():
         monkeypatch.setenv(name, value)
     gpu, calls = torch.device("cuda:1"), []
-    monkeypatch.setattr("machinery.cli.pick_device", lambda requested, local_rank: torch.device(f"cuda:{local_rank}"))
+    monkeypatch.setattr("machinery.cli.pick_device",
+                        lambda requested, local_rank, **kw: torch.device(f"cuda:{local_rank}"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

@@ -2,6 +2,7 @@
 parents) and the loss pictures (a PNG of the requested pixel size, one colour per run, no matplotlib)."""
 import json
 import os
+import runpy
 import sys
 
 import pytest
@@ -228,18 +229,29 @@ def test_without_matplotlib_it_says_so_once_and_draws_nothing(tmp_path, monkeypa
     assert not os.path.exists(os.path.join(run, "loss.png")) and not os.path.exists(tmp_path / "cmp.png")
 
 
-def test_command_line(tmp_path, capsys):
+@pytest.mark.filterwarnings("ignore:'machinery.curves' found in sys.modules")  # runpy, run in this process
+def test_command_line(tmp_path, capsys, monkeypatch):
+    """One command draws curves, eval.py's: a run's own picture (its loss.png by default) or several runs';
+    `python -m machinery.curves` runs it too."""
     pytest.importorskip("matplotlib")
+    import eval as ev
     a = make_run(tmp_path / "a", phase_log("mlm", 3, 10))
     b = make_run(tmp_path / "b", phase_log("clm", 3, 10))
-    assert curves.main([a]) == 0 and os.path.isfile(os.path.join(a, "loss.png"))
+    ev.main(["curves", a])
+    assert os.path.isfile(os.path.join(a, "loss.png"))
     out = str(tmp_path / "cmp.png")
-    assert curves.main([a, b, f"--out={out}", "--names=MLM,CLM"]) == 0 and os.path.isfile(out)
-    assert capsys.readouterr().out.split() == [os.path.join(a, "loss.png"), out]
+    ev.main(["curves", a, b, f"--out={out}", "--names=MLM,CLM"])
+    assert os.path.isfile(out)
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")] == \
+        [os.path.join(a, "loss.png"), out]
     for argv, message in [([a, b], "--out"), ([a, b, f"--out={out}", "--names=x"], "1 names for 2 runs"),
-                          ([str(tmp_path)], "no log.jsonl")]:
+                          ([a, "--names=x"], "one run's picture"), ([str(tmp_path)], "no log.jsonl")]:
         with pytest.raises(InputError, match=message):
-            curves.main(argv)
+            ev.main(["curves", *argv])
+    forwarded = str(tmp_path / "forwarded.png")
+    monkeypatch.setattr(sys, "argv", ["machinery/curves.py", a, f"--out={forwarded}"])
+    runpy.run_module("machinery.curves", run_name="__main__")
+    assert os.path.isfile(forwarded) and capsys.readouterr().out.startswith(f"wrote {forwarded}")
 
 
 # --- a continued run's curve starts at its start; each train loss says what it measures ------------------------
@@ -268,6 +280,24 @@ def a_detour_and_its_twin(tmp_path):
     mlm = make_run(tmp_path / "mlm", started("mlm", 10, 100))
     checkpoint(mlm, 10, "mlm", 1000, [], MLM30)
     return decay, mlm
+
+
+def test_a_phase_switch_is_named_inside_its_panel(tmp_path, monkeypatch):
+    """The name of a phase switch stays inside the loss panel, wherever the switch is (a decay is the last tenth of
+    the axis: named to its left, never under the legend in the right margin)."""
+    pytest.importorskip("matplotlib")
+    clm = make_run(tmp_path / "clm", phase_log("clm", 20, 100))
+    checkpoint(clm, 20, "clm", 2000, [], CLM)
+    decay = make_run(tmp_path / "clm-decay", phase_log("decay", 2, 100))  # the switch at 2,000 of 2,200 tokens
+    checkpoint(decay, 2, "decay", 200, [dict(phase="clm", tokens=2000, dir=clm)], MLM15)
+    figures = drawn(monkeypatch)
+    curves.draw_run(decay)  # the size train.py draws at
+    loss_ax = figures[0].axes[0]
+    renderer = figures[0].canvas.get_renderer()
+    (name,) = loss_ax.texts
+    inside, box = loss_ax.get_window_extent(renderer), name.get_window_extent(renderer)
+    assert name.get_text().strip() == "clm -> decay"
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1, (box, inside)
 
 
 def test_a_continued_run_starts_its_curve_at_its_step_0_validation(tmp_path, monkeypatch):

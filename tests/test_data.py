@@ -371,8 +371,9 @@ def golden_corpus(folder):
 
 GOLDEN_CASES = {"plain": dict(val_fraction=0.1, seed=7),
                 "mix": dict(mix={"web": 0.5, "notes": 0.3, "code": 0.2}, seed=3, val_fraction=0.05)}
-# The first 16 hex digits of the sha256 of train.bin, val.bin and meta.json (its paths cut to file names) that
-# the single-process prepare wrote for golden_corpus before prepare had worker processes (commit 16c0676).
+# The first 16 hex digits of the sha256 of train.bin, val.bin and meta.json (its paths cut to file names, without
+# the splits' fingerprints, which the .bin files decide) that the single-process prepare wrote for golden_corpus
+# before prepare had worker processes (commit 16c0676).
 GOLDEN = {
     ("bytes", "plain"): ("de5655087bdb36dc", "c203e684c9c2a83f", "494668b31d60a13e"),
     ("bytes", "mix"): ("9722335f8410336e", "f4257f4faf30cda7", "d484b31391becd64"),
@@ -387,6 +388,10 @@ def digests(out):
     meta["tokenizer"] = Path(meta["tokenizer"]).name
     for s in meta["sources"]:
         s["path"] = Path(s["path"]).name
+    for split, counts in meta["splits"].items():  # the fingerprint is the file's: its ids at the sampled positions
+        n, dtype = counts["tokens"], np.dtype(meta["dtype"])
+        ids = np.fromfile(out / f"{split}.bin", dtype)[tokenfiles.sample_positions(n)] if n else np.zeros(0, dtype)
+        assert counts.pop("sample_sha256") == hashlib.sha256(ids.tobytes()).hexdigest()
     texts = [(out / "train.bin").read_bytes(), (out / "val.bin").read_bytes(), (json.dumps(meta, indent=2) + "\n").encode()]
     return tuple(hashlib.sha256(t).hexdigest()[:16] for t in texts)
 
@@ -1031,7 +1036,9 @@ def test_every_id_a_batch_holds_is_below_the_vocabulary(byte_data, tmp_path):
     (lambda d: shutil.copy(d / "val.bin", d / "train.bin"), r"train.bin: no longer holds its \d+ tokens"),
     (lambda d: shutil.copy(d / "train.bin", d / "new.bin") and os.replace(d / "new.bin", d / "train.bin"),
      r"train.bin: replaced after this run checked it"),
-], ids=["cut", "overwritten shorter", "replaced"])
+    (lambda d: np.random.default_rng(0).permutation(np.fromfile(d / "train.bin", np.uint16)).tofile(d / "train.bin"),
+     r"train.bin: written to after this run checked it: its windows may not be the ones checked"),
+], ids=["cut", "overwritten shorter", "replaced", "overwritten in place, the same size"])
 def test_a_token_file_changed_during_a_run_stops_the_next_batch(byte_data, tmp_path, change, expected):
     d = tmp_path / "d"
     shutil.copytree(byte_data, d)

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import data
+from conftest import ROOT
+from machinery import tokenfiles
 from machinery.cli import InputError, run
 from machinery.tokenizer import bytes_config
 
@@ -393,7 +396,21 @@ BIN_CASES = [  # (case, what is done to a prepared folder, the split read, the w
      ["meta.json: expected vocab_size an integer", "'260'"]),
     ("meta.json mask_id a string", meta_edit(lambda m: m.update(mask_id="259")), "train",
      ["meta.json: expected cls/sep/pad/mask_id"]),
+    # other tokens of the same size, in range: the fingerprint prepare wrote (a sampled digest) tells them apart
+    ("train.bin overwritten in place by other tokens", lambda d: shutil.copyfile(shuffled(d, "train"), d / "train.bin"),
+     "train", ["train.bin: not the tokens data.py prepare wrote there", "sampled ids differs from", "meta.json"]),
+    ("val.bin one token changed at the end", rewrite("val", set_at(-1, 65)), "val",
+     ["val.bin: not the tokens data.py prepare wrote there"]),
+    ("meta.json fingerprint not hex", meta_edit(lambda m: m["splits"]["val"].update(sample_sha256="x")), "val",
+     ["meta.json: expected each split's sample_sha256 64 hex digits", "'x'"]),
 ]
+
+
+def shuffled(d, split):
+    """A file of the split's own ids in another order (a prepare with another --seed writes such a file)."""
+    tokens = tokens_of(d, split)
+    np.random.default_rng(0).permutation(tokens).tofile(d / "other.bin")
+    return d / "other.bin"
 
 
 @pytest.mark.parametrize("case, damage, split, expected", BIN_CASES, ids=[c[0] for c in BIN_CASES])
@@ -413,12 +430,22 @@ def test_token_files_are_checked_against_meta_json(case, damage, split, expected
         assert "\n" not in message and all(w in message for w in expected), message
 
 
+def fingerprinted(split):
+    """meta.json's fingerprint of the split made that of its file as it is now (as a prepare of these tokens would)."""
+    def edit(d):
+        n = data.load_meta(d)["splits"][split]["tokens"]
+        meta_edit(lambda m: m["splits"][split].update(sample_sha256=tokenfiles.file_digest(d / f"{split}.bin",
+                                                                                            "uint16", n)))(d)
+    return edit
+
+
 def test_good_token_files_pass_the_same_checks(prepared, tmp_path):
     """The table's folder is valid, so every failure above is due to its one change; a file written again with the
-    same ids, and ids at the top of the vocabulary, still load."""
+    same ids, and ids at the top of the vocabulary (their meta.json's fingerprint made theirs), still load."""
     d = tmp_path / "d"
     shutil.copytree(prepared, d)
     rewrite("train", set_at(-1, 259))(d)
+    fingerprinted("train")(d)
     meta = data.load_meta(d)
     for split in ("train", "val"):
         n = meta["splits"][split]["tokens"]
@@ -453,6 +480,35 @@ def test_train_and_eval_stop_on_a_damaged_token_file_with_one_line(prepared, tmp
     torch.set_num_threads(threads)
 
 
+def test_a_run_continues_only_on_the_tokens_it_read(prepared, tmp_path):
+    """A checkpoint's loader state holds the fingerprint of the tokens it read: a resume or a hand-off onto data
+    prepared again with other tokens of the same size (its meta.json and files consistent) is refused, naming the
+    file; the same tokens prepared again, and a state or a meta.json older than the fingerprint, continue."""
+    running = data.Loader(prepared, "train", 64, 4, 2)
+    for _ in range(4):
+        running.next()
+    state = json.loads(json.dumps(running.state_dict()))
+    assert state["sample_sha256"] == data.load_meta(prepared)["splits"]["train"]["sample_sha256"]
+    other = tmp_path / "other"
+    shutil.copytree(prepared, other)
+    shutil.copyfile(shuffled(other, "train"), other / "train.bin")
+    fingerprinted("train")(other)  # prepared again: consistent with itself, other tokens
+    with pytest.raises(InputError) as e:
+        data.Loader(other, "train", 64, 4, 2).load_state_dict(state, where="run/state.json: loader")
+    assert str(e.value).startswith(f"run/state.json: loader: the run read other tokens than {other / 'train.bin'} "
+                                   f"holds now") and "--weights_only" in str(e.value), str(e.value)
+    same = tmp_path / "same"
+    shutil.copytree(prepared, same)
+    for loader_state, folder in [(state, same), ({k: v for k, v in state.items() if k != "sample_sha256"}, other)]:
+        fresh = data.Loader(folder, "train", 64, 4, 2)
+        fresh.load_state_dict(loader_state)
+        assert fresh.sequence == 8
+    meta_edit(lambda m: m["splits"]["train"].pop("sample_sha256"))(other)  # a meta.json older than the fingerprint
+    data.Loader(other, "train", 64, 4, 2).load_state_dict(state)
+    with pytest.raises(InputError, match="sample_sha256 is 5, expected a string"):
+        data.Loader(prepared, "train", 64, 4, 2).load_state_dict({**state, "sample_sha256": 5})
+
+
 def test_count_windows_is_the_loaders(prepared):
     n = data.load_meta(prepared)["splits"]["val"]["tokens"]
     for seq_len in (1, 7, 64, n // 2, n):
@@ -463,6 +519,32 @@ def test_count_windows_is_the_loaders(prepared):
         data.count_windows(prepared, "val", 0)
     with pytest.raises(InputError, match="test.bin: not found"):
         data.count_windows(prepared, "test", 8)
+
+
+def test_an_out_that_names_a_file_of_a_model_is_refused(tmp_path, capsys):
+    """data.py's outputs never replace a file of a model: a tokenizer over a model folder's tokenizer.json, text
+    over a run's log.jsonl, or a file inside a run's checkpoints. One line each, and every file as it was."""
+    model, run_dir = tmp_path / "model", tmp_path / "run"
+    for folder, names in ((model, ("config.json", "model.safetensors", "tokenizer.json")),
+                          (run_dir, ("run.json", "log.jsonl", "checkpoints/step-00000002/state.json"))):
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(f"the {name} of the model")
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", ["some text", "more text"])
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    cases = [(["tokenizer", "--input", corpus, "--vocab_size", "300", "--out", model / "tokenizer.json"],
+              f"--out={model / 'tokenizer.json'}: it would write {model / 'tokenizer.json'}, a file of the model in "
+              f"{model}; choose another --out"),
+             (["docstrings", "--out", run_dir / "log.jsonl"], f"a file of the model in {run_dir}"),
+             (["code", "--out", tmp_path / "code.jsonl", "--heldout", run_dir / "log.jsonl"],
+              f"--heldout={run_dir / 'log.jsonl'}: it would write {run_dir / 'log.jsonl'}, a file of the model"),
+             (["tokenizer", "--input", corpus, "--vocab_size", "300", "--out", checkpoint / "tok.json"],
+              f"a file inside the checkpoints of the run in {run_dir}")]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv, expected in cases:
+        code, err = run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and expected in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 # ----------------------------------------------------------------------------
@@ -566,3 +648,18 @@ def test_full_disk(case, argv, before, culprit, small_disk, tmp_path, capsys):
     assert left in (expected, sorted([*expected, "out"])), left  # at most the empty --out folder it made
     if case == "prepare over a previous corpus":
         assert {p.name: p.read_bytes() for p in (disk / "small").iterdir()} == kept
+
+
+def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
+    """data.py checks its flags before it imports torch (seconds, more on a busy machine): a torch that cannot be
+    imported does not stand in the way of the answer, nor of --help; right flags go on to it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for argv, status, said in ((["prepare", "--inptu", "a.jsonl"], 2, "error: data.py: unrecognized arguments: "
+                                "--inptu; did you mean --input? (see data.py --help)"),
+                               (["prepare", "--help"], 0, ""),
+                               (["docstrings", "--out", "d.jsonl"], 1, "torch was imported")):
+        result = subprocess.run([sys.executable, str(ROOT / "data.py"), *argv], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert (result.returncode, result.stderr.strip()) == (status, said)

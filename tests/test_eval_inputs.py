@@ -41,6 +41,7 @@ def inputs(tmp_path_factory):
     (make_model(root / "noweights", 0, **BYTE_IDS) / "model.safetensors").unlink()
     make_model(root / "mismatch", 0)  # ModernBERT's special ids, the byte tokenizer's files
     write(root / "texts.jsonl", "".join(f'{{"text": "a b c {w}"}}\n' for w in "defg"))
+    shutil.copy(model / "tokenizer.json", root / "tok.json")  # a tokenizer outside the model folders
     shutil.copy(root / "texts.jsonl", root / "held.examples.jsonl")  # held-out texts named as needle's examples
     (root / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     write(root / "surrogate.jsonl", '{"text": "ok"}\n{"text": "lone \\ud800 half"}\n')
@@ -133,6 +134,9 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("curves {root} --out={root}/c.png", "no log.jsonl (not a train.py run directory)"),
     ("curves {root}/run {root}/run --out={root}/c.png --names=a", "--names gives 1 names for 2 runs"),
     ("curves {root}/run --out={root}/c.png --names=a,a", "--names: expected some distinct non-empty names"),
+    ("curves {root}/run {root}/run", "--out: several runs are drawn into one picture"),
+    ("finetune {model} --task={task} --sedes=1", "unrecognized arguments: --sedes=1; did you mean --seeds or --steps?"),
+    ("cka {model} {model} --textz={texts}", "unrecognized arguments: --textz={texts}; did you mean --texts?"),
     # an --out that is an input, a folder, or the file the command writes beside it: refused before any model loads
     ("cka {model} {root}/other --texts={texts} --out={texts}", "it would overwrite " + "{texts}, which this command"),
     ("cka {model} {root}/other --texts={texts} --out={root}/other/model.safetensors", "other/model.safetensors, which"),
@@ -144,6 +148,19 @@ CASES = [  # (argv with {placeholders}, what the one error line must say)
     ("finetune {model} --task={task} --out={root}", "--out={root}: it is a folder"),
     ("curves {root}/run --out={root}", "--out={root}: it is a folder; --out names a file to write"),
     ("curves {root}/run --out={root}/run/log.jsonl", "it would overwrite {root}/run/log.jsonl, which this command"),
+    # an --out that names a file of a model (read or not) or the tokenizer a command reads
+    ("finetune {model} --task={task} --out={model}/config.json", "would overwrite {model}/config.json, which this"),
+    ("finetune {model} --task={task} --out={model}/tokenizer_config.json", "{model}/tokenizer_config.json, which"),
+    ("finetune {model} --task={task} --tokenizer={root}/tok.json --out={root}/tok.json",
+     "it would overwrite {root}/tok.json, which this command reads"),
+    ("finetune {model} --task={task} --out={root}/other/config.json", "{root}/other/config.json, a file of the model "
+                                                                       "in {root}/other; choose another --out"),
+    ("cka {model} {root}/other --texts={texts} --tokenizer={root}/tok.json --out={root}/tok.json",
+     "it would overwrite {root}/tok.json, which this command reads"),
+    ("cka {model} {root}/other --texts={texts} --out={root}/copy/special_tokens_map.json", "a file of the model in"),
+    ("needle {model} --texts={texts} --tokenizer={root}/tok.json --out={root}/tok.json",
+     "it would overwrite {root}/tok.json, which this command reads"),
+    ("curves {root}/run --out={root}/other/model.safetensors", "{root}/other/model.safetensors, a file of the model"),
 ]
 
 
@@ -189,9 +206,9 @@ def nan_model(inputs):
 
 
 REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trusted
-    ("finetune {nan} --task={task}", "nan: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
-    ("cka {model} {nan} --texts={texts} --n=3", "nan: weight model.layers.1.mlp.Wo.weight holds NaN"),
-    ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan: weight model.layers.1.mlp.Wo.weight holds"),
+    ("finetune {nan} --task={task}", "nan/model.safetensors: weight model.layers.1.mlp.Wo.weight holds NaN or inf"),
+    ("cka {model} {nan} --texts={texts} --n=3", "nan/model.safetensors: weight model.layers.1.mlp.Wo.weight holds"),
+    ("mlm {nan} --data={root}/data --seq_len=8 --n_sequences=1", "nan/model.safetensors: weight model.layers.1.mlp"),
     ("finetune {model} --task={task} --lr=1e30 --epochs=1 --max_len=16 --seeds=1 --out={root}/div.json",
      "the fine-tuning diverged: try a lower --lr than 1e+30"),
     ("finetune {root}/badweights --task={task}", "model.safetensors: not a readable safetensors file"),

@@ -178,6 +178,29 @@ def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_pa
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_write_that_fails_midway_leaves_the_examples_file_as_it_was(models, texts, tmp_path, monkeypatch):
+    """The examples file is written through a temporary name: an error while its lines are made (here the
+    tokenizer's decode, at the fifth example) leaves the file of the previous run whole, and no temporary file."""
+    monkeypatch.setattr(nd, "load_weights", lambda info, device: Told())
+    kw = dict(lengths=(64,), depths=(0, 100), n=3, out=tmp_path / "needle.json", device="cpu")
+    nd.needle([models[0]], texts, ModernBERT, **kw)
+    examples = tmp_path / "needle.examples.jsonl"
+    before = examples.read_bytes()
+    assert len(before.splitlines()) == 3 * (2 + 2)
+    decoded = []
+
+    def decode(self, ids):
+        decoded.append(ids)
+        if len(decoded) == 5:
+            raise OSError(28, "No space left on device")
+        return TOK.enc.decode([int(i) for i in ids], errors="replace")
+    monkeypatch.setattr(type(TOK), "decode", decode)
+    with pytest.raises(InputError, match="needle.examples.jsonl: cannot write it .No space left on device"):
+        nd.needle([models[0]], texts, ModernBERT, **{**kw, "n": 4})
+    assert examples.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "needle.examples.jsonl", "needle.json", "needle.png"]
+
+
 @pytest.mark.slow  # three processes that import torch; the needle's science is tested in process above
 def test_needle_cli(models, texts, tmp_path):
     out = tmp_path / "cli" / "needle.json"

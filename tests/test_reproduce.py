@@ -333,11 +333,18 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys, study
     command = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines if ": python" in line}
     assert len(command) == count
     assert "--seed=19 --data_seed=44" in command["mlm-r3"] and "--seed=17 --data_seed=42" in command["mlm-r1"]
-    hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if "GPU-hours)" in c}
+    unit = "H100 GPU-hours" if scale == "paper" else "CPU hours"  # the machine's own terms
+    hours = {name: float(c.rsplit("(~", 1)[1].split()[0]) for name, c in command.items() if f"{unit})" in c}
     evals = ("finetune-", "cka-", "needle", "data-", "tok")
-    assert set(hours) == {name for name in command if not name.startswith(evals)}
     total = float(lines[-2].split("~", 1)[1].split()[0])
-    assert lines[-2].startswith("the trainings: ~") and total == pytest.approx(sum(hours.values()), rel=0.01)
+    assert total == pytest.approx(sum(hours.values()), rel=0.01)
+    if scale == "paper":  # the trainings, estimated from their FLOPs
+        assert set(hours) == {name for name in command if not name.startswith(evals)}
+        assert lines[-2].startswith("the trainings: ~") and "GPU-hours" in lines[-2]
+    else:  # every stage, as the study's committed cpu report measured a stage of its kind (one core each)
+        assert set(hours) == set(command) and lines[-2].startswith("the stages: ~") and "CPU hours in all" in lines[-2]
+        measured = json.loads((ROOT / "docs" / f"{study}-cpu" / "report.json").read_text())["time"]["stages"]
+        assert hours["mlm-r2"] == pytest.approx(sum(measured[f"mlm-r{r}"] for r in (1, 2, 3)) / 3 / 3600, rel=0.01)
     if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
         assert hours["mlm-r1"] == pytest.approx(12.7, abs=0.5)
     if study == "detour":
@@ -388,6 +395,8 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", out, "--gpus=0"], "--gpus: expected at least 1, got 0"),
         (["--scale=smoke", out, "--replicates=0"], "--replicates: expected at least 1, got 0"),
         (["--scale=smoke", out, "--start=/nonexistent", "--dry_run"], "--start=/nonexistent: not found"),
+        (["--scale=smoke", out, "--start=org/..", "--dry_run"], "--start=org/..: not found (expected a model "
+                                                                 "directory or a hub id like org/name: '..' is not"),
         (["--scale=smoke", out, f"--start={tmp_path / 'empty'}"], "not a model directory (no config.json"),
         (["--scale=smoke", "--study=biphasic", out, f"--start={tmp_path / 'empty'}"], "trains from scratch"),
         (["--scale=smoke", out, f"--corpus={tmp_path / 'none.jsonl'}"], "none.jsonl: not found"),
@@ -401,7 +410,15 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={tmp_path / 'notes'}"], "holds no plan.json"),
         (["--scale=smoke", f"--out={tmp_path / 'badplan'}"], "not valid JSON"),
         (["--scale=smoke", "--scale=cpu", out], "--scale is given twice"),
+        # a flag the other mode reads alone is refused, never ignored; a dry run meets what the run would
+        (["--scale=smoke", out, "--detect=2"], "--detect=2.0 is read by --dry_run alone (the difference the plan"),
+        (["--scale=smoke", out, f"--components={tmp_path / 'file'}"], "--components="),
+        (["--scale=smoke", out, "--jobs=2", "--dry_run"], "--jobs=2 is read by a run alone (stages run side by side)"),
+        (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}", "--dry_run"], "cannot write there"),
+        (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}"], "cannot write there"),
+        (["--scale=smoke", f"--out={read_only(tmp_path)}/exp", "--dry_run"], "cannot write there"),
         (["--scale=smoke", out, "--epochs=3"], "unrecognized arguments: --epochs=3"),
+        (["--sclae=smoke", out], "unrecognized arguments: --sclae=smoke; did you mean --scale?"),  # not "required"
         (["--scale=smoke"], "the following arguments are required: --out"),
     ]
     line, stdout = refused(*cases[0][0])  # as a process: one line on stderr, exit status 2
@@ -411,6 +428,109 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         assert status == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, (args, err)
         assert stdout == "", (args, stdout)
     assert not (tmp_path / "exp").exists() and os.listdir(tmp_path / "notes") == ["README.md"]
+
+
+def read_only(tmp):
+    """A folder this process cannot write in: chmod is no obstacle to root, sysfs is."""
+    if os.geteuid() == 0:
+        return "/sys"
+    (tmp / "ro").mkdir()
+    (tmp / "ro").chmod(0o555)
+    return tmp / "ro"
+
+
+def test_a_dry_run_checks_the_gpus_as_the_run_does(tmp_path, capsys, monkeypatch):
+    import reproduce
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 2)
+    for mode in ([], ["--dry_run"]):
+        status, _, err = in_process(capsys, "--scale=smoke", f"--out={tmp_path / 'exp'}", "--gpus=4", *mode)
+        assert status == 2 and err == "error: --gpus=4: this machine has 2 GPU(s)\n", err
+    assert not (tmp_path / "exp").exists()
+
+
+def report_with(components=None, **changes):
+    """A report.json as reproduce.py writes it, one difference's components in it, with `changes` to its path."""
+    components = components if components is not None else dict(
+        replicates=3, seeds=2, examples=940, replicate_var=2e-4, seed_var=4e-4, example_var=0.05, seeds_inside=False)
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}
+    for path, value in changes.items():
+        *parents, last = path.split("/")
+        node = rep
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return rep
+
+
+C = "finetune['t'].tasks['ncbi_disease'].arms['clm'].difference.components"
+BAD_COMPONENTS = [  # (the report.json, as text or as an object; what its one error line says)
+    ("[1, 2]", "(top level): expected an object, got list"),
+    (report_with(finetune=[1]), "finetune: expected an object, got list"),
+    (report_with(**{"finetune/t": "x"}), "finetune['t'].tasks: expected an object, got NoneType None"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease": {"arms": [1]}}),
+     "finetune['t'].tasks['ncbi_disease'].arms: expected an object, got list"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm": "x"}), "arms['clm']: expected an object whose"),
+    (report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm": {"difference": 3}}), "arms['clm']: expected an"),
+    (report_with([1]), f"{C}: expected an object, got list"),
+    (report_with({}), f"{C}.replicates: missing"),
+    (report_with(dict(report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"][
+        "components"], example_var="0.05")), f"{C}.example_var: expected a finite number >= 0, got str '0.05'"),
+    ('{"finetune": {"t": {"tasks": {"n": {"arms": {"a": {"difference": {"components": {"replicates": 3, "seeds": 2, '
+     '"examples": 9, "replicate_var": NaN}}}}}}}}}',
+     "finetune['t'].tasks['n'].arms['a'].difference.components.replicate_var: expected a finite number or null"),
+]
+for key, value, expected in [("replicates", 0, "an integer >= 1, got int 0"),
+                             ("seeds", True, "an integer >= 1, got bool True"),
+                             ("examples", 9.5, "an integer >= 1, got float 9.5"),
+                             ("seed_var", -1e-4, "a finite number >= 0 or null"),
+                             ("seeds_inside", "no", "true or false, got str 'no'")]:
+    fine = report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"]["components"]
+    BAD_COMPONENTS.append((report_with({**fine, key: value}), f"{C}.{key}: expected {expected}"))
+
+
+@pytest.mark.parametrize("report, expected", BAD_COMPONENTS, ids=[e[:50] for _, e in BAD_COMPONENTS])
+def test_the_planners_report_is_checked_field_by_field(report, expected, tmp_path, capsys):
+    """--components: a report.json of reproduce.py, read by the dry run's planner; every field it reads is checked,
+    and one that is not as reproduce.py writes it is one line naming the file and the field, never a traceback."""
+    source = tmp_path / "report.json"
+    source.write_text(report if isinstance(report, str) else json.dumps(report))
+    status, _, err = in_process(capsys, "--scale=cpu", f"--out={tmp_path / 'exp'}", "--dry_run",
+                                f"--components={source}")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --components={source}: ") and expected in err, err
+
+
+def test_a_plan_or_stage_record_not_as_written_is_one_line(tmp_path):
+    """OUT/plan.json and OUT/stages/NAME.json, read at every invocation: a field that is not as reproduce.py writes
+    it (edited by hand, another tool's) is one line naming the file and the field."""
+    from machinery import stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    plan_of = [stages.Stage("cka", [sys.executable, "-c", "pass"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "stages").mkdir()
+    fingerprint = plan["stages"]["cka"]["fingerprint"]
+    for written, expected in [
+            ({**plan, "stages": {"cka": "x"}}, "plan.json: stages['cka']: expected an object, got str 'x'"),
+            ({**plan, "stages": {"cka": {"fingerprint": 3}}}, "plan.json: stages['cka'].fingerprint: expected a str"),
+            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None")]:
+        (out / "plan.json").write_text(json.dumps(written))
+        with pytest.raises(InputError) as refusal:
+            stages.check_out(out, plan)
+        assert expected in str(refusal.value) and "choose a new --out" in str(refusal.value), str(refusal.value)
+    (out / "plan.json").write_text(json.dumps(plan))
+    for record, expected in [
+            ({"finished": "yes"}, "cka.json: finished: expected true or false, got str 'yes'"),
+            ({"finished": True, "outputs": ["OUT/cka.json"]}, "cka.json: outputs: expected an object of paths"),
+            ({"finished": True, "outputs": {}}, "cka.json: seconds: expected a finite number >= 0, got NoneType"),
+            ({"finished": False, "threads": 0}, "cka.json: threads: expected an integer >= 1, got int 0")]:
+        (out / "stages" / "cka.json").write_text(json.dumps({"fingerprint": fingerprint, **record}))
+        with pytest.raises(InputError) as refusal:
+            stages.check_out(out, plan)
+            stages.run(plan_of, out, plan, 1, 1)
+        assert expected in str(refusal.value) and "delete it to run the stage again" in str(refusal.value)
 
 
 def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
@@ -463,6 +583,50 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
                           ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
         status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", *args)
         assert status == 2 and message in err, (args, err)
+
+
+def test_without_the_data_a_run_says_where_they_come_from_and_a_dry_run_goes_on(tmp_path, capsys):
+    """A fresh clone has no corpus, tasks or held-out texts: a run is one line naming what --data lacks, where those
+    come from and the command that fetches them; a dry run prints every command, the power from the committed report
+    (its test-set sizes) and what is missing, without checking OUT against a plan it cannot fingerprint."""
+    empty, out = tmp_path / "empty", tmp_path / "exp"
+    empty.mkdir()
+    status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}")
+    assert status == 2 and len(err.splitlines()) == 1, err
+    for words in (f"--data={empty}: it lacks corpus/e3c_en_clinical_cases.jsonl, tasks/ncbi_disease", "E3C",
+                  "NCBI-disease, ChemProt and PubMedQA", f"`python data.py fetch --out={empty}`", "--data names"):
+        assert words in err, words
+    status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", f"--data={empty}", "--dry_run")
+    assert status == 0, err
+    lines = text.splitlines()
+    assert sum(": python" in line for line in lines) == 56 and not out.exists()
+    assert any(line.startswith("  ncbi_disease: 940 test examples: detects") for line in lines)
+    assert lines[-2].startswith(f"missing: {empty / 'corpus' / 'e3c_en_clinical_cases.jsonl'}, ")
+    assert "python data.py fetch" in lines[-2]
+    assert lines[-1] == (f"56 stages; not checked: the 5 missing input(s) above, and {out} against the plan (its "
+                         f"fingerprints read them); nothing was run (--dry_run)")
+
+
+def test_detect_answers_with_their_cost(tmp_path, capsys):
+    """--detect's replicates come with the CPU hours of the plan that has them, the same as a dry run with that
+    many --replicates totals; seeds scale the fine-tuning stages; more test examples train nothing more."""
+    need(CORPUS)
+    components = dict(replicates=3, seeds=2, examples=940, replicate_var=5e-5, seed_var=1e-3, example_var=0.02,
+                      seeds_inside=False)  # 8 replicates or 17 seeds detect 3 points
+    source = tmp_path / "report.json"
+    source.write_text(json.dumps({"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}))
+    out = tmp_path / "exp"
+    status, text, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", "--detect=3",
+                                 f"--components={source}")
+    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
+    replicates = int(ways.split("one change at a time: ")[1].split()[0])
+    price = float(ways.split(f"{replicates} replicates (~")[1].split()[0])
+    status, again, _ = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--replicates={replicates}",
+                                  f"--components={source}")
+    assert status == 0 and replicates > 3
+    assert again.splitlines()[-2].startswith(f"the stages: ~{price:.3g} CPU hours in all")
+    assert "seeds (~" in ways and "CPU hours in all" in ways.split("seeds (~")[1]
 
 
 # A stage's command in miniature: writes its --out (as eval.py and data.py take it) or a run directory's files.

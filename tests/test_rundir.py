@@ -411,6 +411,9 @@ def test_a_run_writes_a_model_card_that_the_hub_reads_and_leaves_an_edited_one(s
     assert (out / "README.md").read_text() == edited and latest_step(out) == 4
     transformers = pytest.importorskip("transformers")
     assert transformers.AutoModelForMaskedLM.from_pretrained(str(out)).config.model_type == "modernbert"
+    snippet = card.split("```python\n")[1].split("```")[0]  # the card's "Use", run as written: it prints 5 answers
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out.count("'token_str'") == 5
 
 
 def card_of(tmp_path, **flags):
@@ -430,17 +433,20 @@ def card_of(tmp_path, **flags):
                 sources=[dict(name="code", documents=12, sha256="ab" * 32)])
     r = argparse.Namespace(cfg=cfg, history=[], phase_step=4, phase_tokens=2048, schedule_start=0, meta=meta,
                            model=tiny_model(), run_dir=argparse.Namespace(log_path=str(log)),
-                           loader=argparse.Namespace(sequence=16, n_windows=8))
+                           loader=argparse.Namespace(sequence=16, n_windows=8), wrote={"loss.png": True})
     return progress.card(r, train.learning_rate)
 
 
 def test_the_model_card_is_usable_on_the_hub(tmp_path):
-    """The card's "Use" loads the hub id (--hub_id, else a placeholder it says to replace), never only a local
-    path; an intended use and limitations section states the run's size, tokens, data (and how often it was
-    read), context and what was not evaluated; a missing license is said in a line of its own."""
+    """The card's "Use" loads the folder train.py wrote (runnable as written: no hub id the user never chose),
+    and says how to publish it; with --hub_id it loads that id and names the folder; an intended use and
+    limitations section states the run's size, tokens, data (and how often it was read), context and what was
+    not evaluated; a missing license is said in a line of its own."""
     card = card_of(tmp_path)
     use = card.split("## Use")[1].split("##")[0]
-    assert 'pipeline("fill-mask", model="USER/NAME")' in use and "Replace `USER/NAME` with the hub repository" in use
+    code = use.split("```python")[1].split("```")[0]
+    assert 'pipeline("fill-mask", model="out/code-clm")' in code and "USER/NAME" not in code
+    assert "`out/code-clm` is the folder train.py wrote, from the directory it ran in" in use
     assert 'hf upload USER/NAME out/code-clm --exclude "checkpoints/*"' in use and "--hub_id" in use
     limits = card.split("## Intended use and limitations")[1].split("\n## ")[0]
     params = tiny_model().num_params()
@@ -452,7 +458,8 @@ def test_the_model_card_is_usable_on_the_hub(tmp_path):
     assert "**No license was given**" in card and "license" not in front_matter(card)
     card = card_of(tmp_path, hub_id="me/code-clm", license="apache-2.0")
     use = card.split("## Use")[1].split("##")[0]
-    assert 'model="me/code-clm"' in use and "USER/NAME" not in use
+    assert 'pipeline("fill-mask", model="me/code-clm")' in use and "USER/NAME" not in use
+    assert '`model="out/code-clm"` loads the folder train.py wrote' in use
     assert "No license was given" not in card and "`apache-2.0`" in card
     assert front_matter(card)["license"] == "apache-2.0"
 

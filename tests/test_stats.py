@@ -318,6 +318,35 @@ def test_table_reads_replicates_separated_by_commas(tmp_path):
     assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text
 
 
+def test_a_table_of_arms_fine_tuned_on_different_budgets_says_so(tmp_path):
+    """Results files record what their fine-tuning spent (steps, batch, train examples, max_len, dev evaluations):
+    arms, or an arm's replicates, that differ in it are labelled, above the table and in every verdict, since
+    their difference is not their pretraining's alone. The same budgets, or files that record none, are not."""
+    def spent(files, steps, train=500):
+        for f in files:
+            r = json.loads(f.read_text())
+            r["args"] = dict(steps=steps, epochs=None, evals=2, batch_size=16, max_len=128, lr=5e-5)
+            r["tasks"]["t"].update(steps=steps, examples=dict(train=train, dev=80, test=60))
+            f.write_text(json.dumps(r))
+        return ",".join(map(str, files))
+    ref, x = arm(tmp_path, "ref", {"-": (0.5, 0.5)})["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)})["-"]
+    plain = cmp.table([",".join(map(str, ref)), ",".join(map(str, x))], ev.kind_of)
+    assert "budgets differ" not in plain.lower()
+    same = cmp.table([spent(ref, 300), spent(x, 300)], ev.kind_of)
+    assert "budgets differ" not in same.lower() and "mixed_budgets" not in cmp.compare(
+        {"ref": {"-": ref}, "x": {"-": x}}, ev.kind_of)["tasks"]["t"]
+    for files in (lambda: [spent(ref, 300), spent(x, 100)],  # arms, then an arm's replicates
+                  lambda: [spent(ref, 300), spent(x[:2], 300) + "," + spent(x[2:], 300, 400)]):
+        text = cmp.table(files(), ev.kind_of)
+        assert f"**Fine-tuning budgets differ between the runs compared** ({ref[0].stem}: 300 steps of 16, 500 train " \
+               f"examples, max_len 128, dev scored 2 times; {x[0].stem}: " in text, text
+        assert "is that of the pretraining and of the fine-tuning budget together" in text
+        row = next(line for line in text.splitlines() if line.startswith(f"| {x[0].stem} "))
+        assert row.endswith("| better (budgets differ) |"), row
+    assert f"{x[0].stem}: 300 steps of 16, 500 train examples, max_len 128, dev scored 2 times | 300 steps of 16, " \
+           f"400 train" in text
+
+
 # ----------------------------------------------------------------------------
 # The CKA band
 

@@ -177,13 +177,17 @@ def test_a_tracker_that_fails_mid_run_is_a_warning_and_training_goes_on(demo_cor
     out = tmp_path / "run"
     train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL, "--log_to=flaky"])
     (tracker,) = flaky.made
-    err = capsys.readouterr().err
+    printed = capsys.readouterr()
+    err = printed.err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: --log_to: flaky at step 2 failed (ConnectionError: Connection reset by peer); it "
                         "gets no more records in this run; log.jsonl holds them all"], err
     assert tracker.logged == [1, 2] and tracker.closed == 1  # closed when dropped, never called again
     assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "loss" in r] == [1, 2, 3, 4, 5]
     assert RunDir.open(str(out)).latest_state()["phase_step"] == 5
+    tracked = [line for line in printed.out.splitlines() if line.startswith("tracked:")]
+    assert tracked == ["tracked:    flaky failed at step 2 (the warning above says why): it holds the records before "
+                       "that; log.jsonl holds them all"]  # the summary never says it holds the run
 
 
 def test_a_tracker_that_fails_to_close_is_a_warning(demo_corpus, tmp_path, capsys, flaky, monkeypatch):
@@ -206,10 +210,38 @@ def test_a_picture_or_card_that_fails_is_a_warning_and_the_checkpoints_are_kept(
     out = tmp_path / "run"
     train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL])
     what = {"picture": "the loss picture", "card": "the model card"}[broken]
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    printed = capsys.readouterr()
+    warnings = [line for line in printed.err.splitlines() if line.startswith("warning:")]
     assert warnings == [f"warning: {what} failed (ValueError: a bug in the drawing); training goes on"] * 3  # 3 saves
     assert RunDir.open(str(out)).latest_state()["phase_step"] == 5
     assert (out / "loss.png").is_file() == (broken == "card") and (out / "README.md").is_file() == (broken == "picture")
+    # what failed is never named as written: not in the summary, not in the card
+    summary = printed.out[printed.out.index("done: phase"):]
+    if broken == "picture":
+        assert "loss.png" not in summary and "loss.png" not in (out / "README.md").read_text()
+        assert f"its losses: {out}/log.jsonl (no picture: the loss picture was not drawn" in summary
+    else:
+        assert "README.md" not in summary and "no model card: it failed" in summary and "loss.png (picture)" in summary
+
+
+def test_a_picture_that_fails_after_an_earlier_one_is_not_named(demo_corpus, tmp_path, capsys, monkeypatch):
+    """A picture drawn at the first saves and failing at the last: the summary and the last card do not name the
+    picture, which shows the run as it was at an earlier save."""
+    from machinery import curves
+    real, calls = curves.draw_run, []
+
+    def draw(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("a bug in the drawing")
+        return real(*args)
+    monkeypatch.setattr(curves, "draw_run", draw)
+    out = tmp_path / "run"
+    train.main([f"--data={demo_corpus}", f"--out_dir={out}", *SMALL])
+    printed = capsys.readouterr().out
+    assert len(calls) == 3 and (out / "loss.png").is_file()  # the second save's
+    assert "loss.png" not in printed[printed.index("done: phase"):]
+    assert "loss.png" not in (out / "README.md").read_text()
 
 
 def test_each_tracker_says_where_its_records_are_and_how_to_view_them(monkeypatch):

@@ -850,13 +850,15 @@ def test_every_command_the_demo_chain_prints_runs_as_printed(demo_corpus, tmp_pa
     assert "'token_str'" in capsys.readouterr().out  # five guesses for [MASK]
 
 
-def finished_run(out, history=(), **flags):
-    """What progress.continuations reads of a demo run that has run its budget (no training)."""
+def finished_run(out, history=(), windows=10**9, **flags):
+    """What progress.continuations reads of a demo run that has run its budget (no training), on data of
+    `windows` training windows (by default far more than it read)."""
     cfg = train.resolve_config({"out_dir": str(out), **flags})
     per_step = cfg.batch_size * cfg.seq_len
     steps = cfg.tokens // per_step
     r = argparse.Namespace(cfg=cfg, phase_step=steps, phase_tokens=steps * per_step, schedule_start=0,
-                           history=list(history), objective=data.OBJECTIVES[cfg.objective])
+                           history=list(history), objective=data.OBJECTIVES[cfg.objective],
+                           loader=argparse.Namespace(sequence=steps * cfg.batch_size, n_windows=windows))
     return r, steps
 
 
@@ -889,6 +891,30 @@ def test_a_hint_never_changes_a_run_that_exists(tmp_path):
         assert "longer" not in hint_flags(r, steps)
     r.phase_step -= 1
     assert hint_flags(r, steps) == {"continue": ["--resume", f"--out_dir={out}"]}
+
+
+def test_the_longer_hint_never_warns_against_itself(tmp_path, capsys):
+    """A run that has read its data 2.5 times: its `longer:` line asks for as many tokens as keep the data read at
+    most 4 times (where a run warns that it will memorise them), not as many again, says so, and runs as printed
+    without that warning. The demo's own start model (2,073 windows read 2.35 times) gets 872,448 tokens."""
+    words = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[i % 7:] + words[:i % 5])}) + "\n" for i in range(80)))
+    data.prepare([str(corpus)], "bytes", str(tmp_path / "data"), val_fraction=0.1)
+    windows = data.count_windows(str(tmp_path / "data"), "train", 128)
+    steps = math.ceil(2.5 * windows / 4)
+    out = tmp_path / "run"
+    train.main([f"--data={tmp_path / 'data'}", f"--out_dir={out}", *small(f"--tokens={steps * STEP_TOKENS}")])
+    printed = capsys.readouterr().out
+    (longer,) = printed_commands(printed)["longer"]
+    room = (4 * windows - steps * 4) // 4 * STEP_TOKENS  # 4 sequences a step
+    assert f"--tokens={room}" in longer and 0 < room < steps * STEP_TOKENS
+    assert f"{room:,} tokens more, up to 4 epochs of {tmp_path / 'data'}" in printed
+    run_printed(longer)
+    printed = capsys.readouterr().out
+    assert "warning: the budget is" not in printed and latest(f"{out}-longer")["phase_tokens"] == room
+    r, done = finished_run(tmp_path / "demo-mlm", windows=2073)
+    assert "--tokens=872448" in hint_flags(r, done)["longer"]
 
 
 def test_the_rest_of_a_schedule_runs_as_printed(corpus, tmp_path, capsys):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -100,6 +101,9 @@ BAD_FLAGS = [
     (["--resume"], ["--resume"]),
     (["stray"], ["'stray'"]),
     (["--unknown=1"], ["--unknown"]),
+    (["--tokns=500k"], ["unknown flag --tokns; did you mean --tokens?"]),  # by closeness, not by its first letters
+    (["--report_to=tensorbored"], ["--log_to=tensorbored", "'tensorbored' is not a tracker"]),  # Hugging Face's name
+    (["--report_to=wandb", "--log_to=wandb"], ["--report_to and --log_to name one setting"]),
     (["--lr=1e9"], ["--lr=1000000000.0", "--allow_high_lr"]),  # a typo, not an intent
     (["--tokens=1e6", "--tokens=2e6"], ["--tokens is given twice"]),
     (["--seed=1.5"], ["--seed='1.5'"]),
@@ -130,6 +134,14 @@ BAD_FLAGS = [
     (["--language=English"], ["--language='English'", "en,de"]),
     (["--base_model=a/b/c"], ["--base_model='a/b/c'", "hub id"]),
     (["--hub_id=mymodel"], ["--hub_id='mymodel'", "USER/NAME"]),  # the card's "Use" loads it from the hub
+    # ids the hub refuses (huggingface_hub's validate_repo_id, test_hub_ids_are_those_the_hub_takes): never in a card
+    (["--hub_id=../.."], ["--hub_id='../..'", "USER/NAME", "'..' is not a name the hub takes"]),
+    (["--hub_id=./model"], ["--hub_id='./model'", "'.' is not a name the hub takes"]),
+    (["--hub_id=me/model.git"], ["--hub_id='me/model.git'", "ending in .git"]),
+    (["--hub_id=me/a..b"], ["--hub_id='me/a..b'", "no '--' or '..'"]),
+    (["--hub_id=me/" + "m" * 97], ["--hub_id='me/mmm", "1 to 96 ASCII letters"]),
+    (["--hub_id=me/modèle"], ["--hub_id='me/modèle'", "'modèle' is not a name the hub takes"]),
+    (["--base_model=a/.."], ["--base_model='a/..'", "hub id", "'..' is not a name"]),
     # accepted by the flags, beyond what a checkpoint holds (integers below 2**62, strings of 4,096 characters):
     # refused before the first step, not at the first save after it (--max_steps: a step that would be lost)
     (["--tokens=5e18", "--max_steps=1"], ["--tokens=5000000000000000000", "a checkpoint cannot hold it",
@@ -152,6 +164,38 @@ def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_
     out = tmp_path / "out"
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
     assert not (out / "model.safetensors").exists()
+
+
+def test_hub_ids_are_those_the_hub_takes():
+    """--hub_id and --base_model (and every other place a hub id is checked: hf.hub_id_problem) take what the hub
+    takes, and nothing else: huggingface_hub's own validate_repo_id is the oracle, on ids at its rules' edges and on
+    6,000 random ones. --hub_id needs a namespace (USER/NAME: a name alone loads another repository)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from machinery.hf import hub_id_problem
+
+    def hub_takes(text):
+        try:
+            validate_repo_id(text)
+            return True
+        except HFValidationError:
+            return False
+    rng = np.random.default_rng(0)
+    alphabet = list("ab_Z9.-/") + ["é", " ", "~"]
+    edges = ["a/b", "a", "_a/b_", "./x", "a/.", "a/..", "..", ".", "-a/b", "a/-b", "a/b.", "a/b-", "a--b/c", "a/b.git",
+             "a/b.gitx", "1/2", "a b/c", "a/b/c", "/a", "a/", "", "a" * 96 + "/b", "a/" + "b" * 96, "a/" + "b" * 97,
+             "answerdotai/ModernBERT-base", "bert-base-uncased", "日本/x"]
+    texts = edges + ["".join(rng.choice(alphabet, rng.integers(1, 9))) for _ in range(6000)]
+    assert 500 < sum(map(hub_takes, texts)) < 5000  # the random ids hold both kinds
+    for text in texts:
+        assert (hub_id_problem(text, namespace=False) is None) == hub_takes(text), text
+        assert (hub_id_problem(text) is None) == (hub_takes(text) and "/" in text), text
+
+
+def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(demo_corpus, tmp_path, capsys):
+    """The card's base model is --init_from's hub id only where it is one: a path that is not there is an error of
+    --init_from, never of a --base_model the user did not give."""
+    fails(capsys, ["--recipe=paper", "--init_from=./missing", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
+          "--init_from=./missing: ./missing: no such directory")
 
 
 # torchrun's variables left in a shell, or written by hand: (environment, words of the one line). Each is refused
@@ -204,6 +248,35 @@ def test_one_process_runs_with_torchruns_variables_and_others_are_awaited_with_a
           "rank 1 of 2 did not meet the others at localhost:1 within --ddp_timeout=1 s", "torchrun")
 
 
+@pytest.mark.parametrize("error, words", [
+    (torch.distributed.DistBackendError, ["rank 0 of 2: NCCL could not start on cuda:0: NCCL error in: init.cc:1 "
+                                          "unhandled cuda error", "NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME"]),
+    (torch.distributed.DistStoreError, ["rank 0 of 2 did not meet the others at localhost:29400", "torchrun"])],
+    ids=["nccl", "store"])
+def test_only_the_stores_failures_read_as_a_missed_rendezvous(error, words, environment, monkeypatch, demo_corpus,
+                                                              tmp_path, capsys):
+    """On GPUs (faked): NCCL failing to start its communicator (a driver, a network interface, two ranks on one
+    GPU) passes through in its own words with what to check; only the store's failure says the others never came."""
+    environment(dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **TORCHRUN))
+    monkeypatch.setattr("machinery.cli.pick_device", lambda *args, **kwargs: torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+    def init_process_group(backend, **kwargs):
+        raise error("NCCL error in: init.cc:1 unhandled cuda error\nLast error: more words")
+    monkeypatch.setattr(train.dist, "init_process_group", init_process_group)
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", *SMALL], *words)
+
+
+def test_one_gpu_named_for_several_processes_is_refused(environment, demo_corpus, tmp_path, capsys):
+    """--device=cuda:0 under torchrun with 2 processes on this machine would put both on GPU 0: refused before any
+    GPU is touched or any process group is made (this machine has no GPU: the refusal comes first)."""
+    environment(dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **TORCHRUN))
+    fails(capsys, [f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", *SMALL, "--device=cuda:0"],
+          "--device=cuda:0 names one device for the 2 processes on this machine", "--device=cuda")
+    assert not (tmp_path / "run").exists()
+
+
 def test_demo_recipe_refuses_a_pretrained_start(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     fails(capsys, [f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'o'}"], "--recipe=demo", "--recipe=paper")
@@ -227,6 +300,22 @@ def edit_json(name, change):
         content = json.loads((folder / name).read_text())
         change(content)
         (folder / name).write_text(json.dumps(content))
+    return edit
+
+
+def poison(name, key, value=float("nan")):
+    """Write `value` into one element of tensor `key` of a safetensors file, its size and header unchanged (the
+    size a checkpoint's state.json lists still holds)."""
+    def edit(folder):
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+        path = folder / name
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata()
+        tensors, size = load_file(path), path.stat().st_size
+        tensors[key].view(-1)[3] = value
+        save_file(tensors, path, metadata=metadata)
+        assert path.stat().st_size == size
     return edit
 
 
@@ -256,6 +345,33 @@ def test_broken_start_run_is_named(name, edit, words, run_dir, demo_corpus, tmp_
     fails(capsys, [f"--init_from={start}", f"--out_dir={tmp_path / 'out'}", "--phase=decay", *SMALL], *words,
           str(start))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("start", ["handoff", "weights", "resume", "hugging face"])
+def test_a_checkpoint_that_holds_nan_or_inf_is_refused_before_any_step(start, run_dir, demo_corpus, tmp_path, capsys):
+    """A weight or one of Adam's moments that is NaN or inf (a damaged file, a run of another trainer) is refused as
+    it is read, naming the file and the tensor: never blamed on the learning rate after a step that poisons every
+    weight. Every way a run takes weights or moments from a checkpoint."""
+    weight = "model.layers.1.mlp.Wo.weight"
+    moment = "exp_avg_sq.model.layers.0.attn.Wqkv.weight"
+    copy = copy_run(run_dir, tmp_path, poison("optimizer.safetensors", moment, float("inf")))
+    common = [f"--out_dir={tmp_path / 'out'}", *SMALL, f"--tokens={STEP_TOKENS}"]
+    argv = {"handoff": [f"--init_from={copy}", "--phase=decay", *common],
+            "weights": [f"--init_from={copy}", "--weights_only", "--phase=clm", f"--data={demo_corpus}", *common],
+            "resume": ["--resume", f"--out_dir={copy}", f"--tokens={3 * STEP_TOKENS}"],
+            "hugging face": [f"--init_from={copy}", "--recipe=paper", f"--data={demo_corpus}", *common]}[start]
+    if start in ("handoff", "resume"):  # they take the moments too: the inf moment first, then the weights
+        fails(capsys, argv, f"{newest(copy) / 'optimizer.safetensors'}: Adam's moment {moment} holds NaN or inf")
+        poison("optimizer.safetensors", moment, 1.0)(newest(copy))
+    if start == "hugging face":  # the top-level copy: a Hugging Face folder's model.safetensors
+        shutil.rmtree(copy / "checkpoints")
+        (copy / "run.json").unlink()
+        poison("model.safetensors", weight)(copy)
+        fails(capsys, argv, f"{copy / 'model.safetensors'}: weight {weight} holds NaN or inf")
+    else:
+        poison("model.safetensors", weight)(newest(copy))
+        fails(capsys, argv, f"{newest(copy) / 'model.safetensors'}: weight {weight} holds NaN or inf")
+    assert "step 1" not in capsys.readouterr().out and not (tmp_path / "out" / "checkpoints").exists()
 
 
 # A Hugging Face directory (no run of ours) with broken files: the file itself is named.
@@ -293,6 +409,28 @@ def test_broken_data_is_named(name, change, words, demo_corpus, tmp_path, capsys
     edit_json("meta.json", change)(corpus)
     fails(capsys, [f"--data={corpus}", f"--out_dir={tmp_path / 'out'}", *SMALL], *words)
     assert not (tmp_path / "out" / "hostname").exists()
+
+
+def test_a_resume_reads_the_tokens_the_run_read(demo_corpus, tmp_path, capsys):
+    """A token file overwritten in place with other tokens of the same size before --resume is refused, naming the
+    file (its fingerprint in meta.json); so is the data prepared again with other tokens, meta.json and all (the
+    fingerprint the checkpoint holds). The tokens put back, the run goes on."""
+    from machinery.tokenfiles import file_digest
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    shutil.copytree(demo_corpus, corpus)
+    train.main([f"--data={corpus}", f"--out_dir={out}", *SMALL, f"--tokens={3 * STEP_TOKENS}", "--max_steps=1"])
+    kept = (corpus / "train.bin").read_bytes()
+    tokens = np.frombuffer(kept, np.uint16)
+    np.random.default_rng(0).permutation(tokens).tofile(corpus / "train.bin")  # in place: the same inode and size
+    fails(capsys, ["--resume", f"--out_dir={out}"], f"{corpus / 'train.bin'}: not the tokens data.py prepare wrote")
+    meta = json.loads((corpus / "meta.json").read_text())
+    meta["splits"]["train"]["sample_sha256"] = file_digest(corpus / "train.bin", "uint16", len(tokens))
+    (corpus / "meta.json").write_text(json.dumps(meta))  # as a prepare of these tokens would write it
+    fails(capsys, ["--resume", f"--out_dir={out}"], "state.json: loader: the run read other tokens than",
+          str(corpus / "train.bin"))
+    shutil.copytree(demo_corpus, corpus, dirs_exist_ok=True)
+    train.main(["--resume", f"--out_dir={out}"])
+    assert newest(out).name == "step-00000003"
 
 
 def test_a_started_model_keeps_its_architecture_and_records_it(run_dir, demo_corpus, tmp_path, capsys):
@@ -497,6 +635,26 @@ def test_trailing_slash_is_the_same_run(demo_corpus, tmp_path):
     assert RunDir.open(str(tmp_path / "run")).latest_state()["phase_step"] == 2
 
 
+def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
+    """train.py checks its flags against its Config's source before it imports torch (seconds, a minute on a busy
+    machine): a torch that cannot be imported does not stand in the way of the answer; right flags go on to it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for flags, said in ((["--tokns=500k"], "error: unknown flag --tokns; did you mean --tokens? (python train.py "
+                                           "--help lists them all)"),
+                        (["--tokens=500k", "--lr=fast"], "error: --lr='fast' is not a valid float"),
+                        (["--tokens=500k"], "torch was imported")):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert result.stderr.strip() == said and result.returncode == (1 if said.startswith("torch") else 2)
+
+
+def test_none_is_no_tracker_as_hugging_face_says_it():
+    from machinery import tracking
+    assert tracking.names("none") == [] and tracking.where("none", "out/run") == []
+
+
 def test_traceback_free_at_the_process_level(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--lr=-1", f"--out_dir={tmp_path}"],
                             capture_output=True, text=True)
@@ -631,3 +789,23 @@ def test_a_stalled_rank_ends_the_job_with_a_message(demo_corpus, tmp_path):
     out = job.stdout.read()
     job.wait()
     assert job.returncode != 0 and "error: rank 0: another process did not answer within --ddp_timeout" in out
+
+
+def test_a_hand_off_killed_before_its_first_checkpoint_logs_its_step_0_once(run_dir, tmp_path, monkeypatch, capsys):
+    """Killed in its first save, a hand-off leaves a run with no checkpoint, whose log holds its step-0 validation
+    and its first steps: the rerun starts the run over, log and all, so that its log, curve and card hold each
+    step once, as a run never killed does."""
+    argv = [f"--init_from={run_dir}", "--phase=decay", *with_small("--save_interval=1"), f"--tokens={2 * STEP_TOKENS}"]
+    train.main([*argv, f"--out_dir={tmp_path / 'straight'}"])
+    out = tmp_path / "decay"
+    with monkeypatch.context() as patch:
+        arm_kill(rundir, "_fsync", patch, 1, 1)  # inside the first save: no checkpoint yet
+        killed([*argv, f"--out_dir={out}"])
+    assert RunDir.open(str(out)).latest_state() is None
+    assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "val_mlm" in r] == [0]
+    train.main([*argv, f"--out_dir={out}"])
+
+    def steps(run):
+        return [(r["step"], "val_mlm" in r) for r in map(json.loads, open(run / "log.jsonl"))]
+    assert steps(out) == steps(tmp_path / "straight") == [(0, True), (1, False), (2, False), (2, True)]
+    assert capsys.readouterr().out.count("decay step 0 (before the first step)") == 3

@@ -1,0 +1,140 @@
+"""The JSON files reproduce.py reads back, checked field by field into one error line that names the file and the
+field: a finished report's variance components (what the dry run projects onto a plan), OUT/plan.json and the
+stage records. A file edited by hand, cut short or of another tool is refused by name, never a traceback. A reader
+of the studies may skip this file."""
+import math
+
+from machinery.cli import InputError, read_json
+
+
+def is_count(v):
+    return type(v) is int and v >= 1
+
+
+def is_real(v):
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+# A difference's variance components, as machinery/compare.py's `interval` writes them: the fields the planner reads.
+COMPONENTS = {
+    "replicates": (is_count, "an integer >= 1"),
+    "seeds": (is_count, "an integer >= 1"),
+    "examples": (is_count, "an integer >= 1"),
+    "replicate_var": (lambda v: v is None or is_real(v), "a finite number or null (below 0 where noise puts it)"),
+    "seed_var": (lambda v: v is None or is_real(v) and v >= 0, "a finite number >= 0 or null"),
+    "example_var": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+    "seeds_inside": (lambda v: type(v) is bool, "true or false"),
+}
+
+
+class Bad(Exception):
+    def __init__(self, field, message):
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+
+def shown(value):
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' * (len(text) > 60)}"
+
+
+def entries(obj, field, optional=False):
+    """The (key, value) pairs of the JSON object obj[field] (an object itself); absent or null: none where optional."""
+    value = obj.get(field) if isinstance(obj, dict) else None
+    if value is None and optional:
+        return []
+    if not isinstance(value, dict):
+        raise Bad(field, f"expected an object, got {shown(value)}")
+    return value.items()
+
+
+def components(c, field):
+    """One difference's components, checked: the COMPONENTS fields alone (another field is not read)."""
+    if not isinstance(c, dict):
+        raise Bad(field, f"expected an object, got {shown(c)}")
+    for key, (ok, expected) in COMPONENTS.items():
+        if key not in c:
+            raise Bad(f"{field}.{key}", "missing")
+        if not ok(c[key]):
+            raise Bad(f"{field}.{key}", f"expected {expected}, got {shown(c[key])}")
+    return {key: c[key] for key in COMPONENTS}
+
+
+def read_components(path):
+    """(the report, {task: [variance components of each fine-tuning difference]}) of a report.json reproduce.py
+    wrote; an InputError names --components, the file and the first field that is not as the report writes it."""
+    rep = read_json(path, "a report.json of reproduce.py")
+    found = {}
+    try:
+        if not isinstance(rep, dict):
+            raise Bad("(top level)", f"expected an object, got {shown(rep)}")
+        for title, comparison in entries(rep, "finetune", optional=True):
+            here = f"finetune[{title!r}]"
+            for task, t in prefixed(here, lambda: entries(comparison, "tasks")):
+                for arm, row in prefixed(f"{here}.tasks[{task!r}]", lambda: entries(t, "arms")):
+                    at = f"{here}.tasks[{task!r}].arms[{arm!r}]"
+                    difference = row.get("difference") if isinstance(row, dict) else None
+                    if not isinstance(row, dict) or not (difference is None or isinstance(difference, dict)):
+                        raise Bad(at, f"expected an object whose difference is an object, got {shown(row)}")
+                    if difference and difference.get("components") is not None:
+                        found.setdefault(task, []).append(components(difference["components"],
+                                                                     f"{at}.difference.components"))
+    except Bad as e:
+        raise InputError(f"--components={path}: {e.field}: {e.message}") from None
+    if not found:
+        raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
+                         f"them, or one without fine-tuning); name a report.json of this version")
+    return rep, found
+
+
+def prefixed(where, get):
+    """get()'s entries, a failure named from `where` on."""
+    try:
+        return list(get())
+    except Bad as e:
+        raise Bad(f"{where}.{e.field}", e.message) from None
+
+
+# OUT/plan.json and OUT/stages/NAME.json: written by reproduce.py, read at every invocation. A stage of a plan holds
+# its fingerprint, and its command and inputs (an older plan may lack them: only the fingerprint is compared).
+PLAN_ENTRY = {"fingerprint": (str, True), "command": (str, False), "inputs": (dict, False)}
+RECORD = {"fingerprint": (lambda v: isinstance(v, str), "a string"),
+          "finished": (lambda v: type(v) is bool, "true or false"),
+          "threads": (is_count, "an integer >= 1"),
+          "outputs": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and (d is None or isinstance(d, str))
+                                                            for k, d in v.items()),
+                      "an object of paths and digests (strings, or null)"),
+          "seconds": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+          "start": (is_real, "a finite number"), "end": (is_real, "a finite number")}
+
+
+def check_plan(plan, path):
+    """OUT/plan.json: an object with a string fingerprint and an object of stages, each as PLAN_ENTRY says.
+    Returns it."""
+    def fail(field, message):
+        raise InputError(f"{path}: {field}: {message}; not a plan of reproduce.py: choose a new --out")
+    if not isinstance(plan, dict) or not isinstance(plan.get("stages"), dict):
+        fail("stages", "expected an object")
+    if not isinstance(plan.get("fingerprint"), str):
+        fail("fingerprint", f"expected a string, got {shown(plan.get('fingerprint'))}")
+    for name, entry in plan["stages"].items():
+        if not isinstance(entry, dict):
+            fail(f"stages[{name!r}]", f"expected an object, got {shown(entry)}")
+        for key, (kind, required) in PLAN_ENTRY.items():
+            if (required or key in entry) and not isinstance(entry.get(key), kind):
+                what = "an object" if kind is dict else "a string"
+                fail(f"stages[{name!r}].{key}", f"expected {what}, got {shown(entry.get(key))}")
+    return plan
+
+
+def check_record(record, path):
+    """A stage record: an object whose fields (those there) are of RECORD's kinds, and a finished one with its
+    seconds, start and end. Returns it."""
+    if not isinstance(record, dict):
+        raise InputError(f"{path}: expected an object, got {shown(record)}; delete it to run the stage again")
+    needed = ("seconds", "start", "end") if record.get("finished") is True else ()
+    for key, (ok, expected) in RECORD.items():
+        if (key in record or key in needed) and not ok(record.get(key)):
+            raise InputError(f"{path}: {key}: expected {expected}, got {shown(record.get(key))}; delete it to run "
+                             f"the stage again")
+    return record
