@@ -535,7 +535,8 @@ def test_a_checkpoint_older_than_some_settings_resumes_with_their_defaults(run_d
           "from it without it: its counters, data position and place in its schedule are counted in it")
 
 
-def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir, tmp_path, monkeypatch, capsys):
+def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir, demo_corpus, tmp_path, monkeypatch,
+                                                                         capsys):
     """An ablation's first edit: a field added to train.py's Config (here one a hand-off inherits). A run made
     before it resumes, hands off and starts --weights_only; where the run's settings are read (a resume, a
     hand-off) the start says once that the field takes its default, and the checkpoints written from then on hold
@@ -552,7 +553,7 @@ def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir
                       "handoff": [f"--init_from={run_dir}", "--phase=decay", f"--out_dir={tmp_path / 'decay'}",
                                   f"--tokens={STEP_TOKENS}"],
                       "weights": [f"--init_from={run_dir}", "--weights_only", f"--out_dir={tmp_path / 'weights'}",
-                                  *SMALL, f"--tokens={STEP_TOKENS}"]}.items():
+                                  f"--data={demo_corpus}", *SMALL, f"--tokens={STEP_TOKENS}"]}.items():
         train.main(argv)
         printed = capsys.readouterr().out
         where = {"resume": "this run", "handoff": "the run it continues"}.get(how)
