@@ -419,6 +419,7 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={read_only(tmp_path)}/exp", "--dry_run"], "cannot write there"),
         (["--scale=smoke", out, "--epochs=3"], "unrecognized arguments: --epochs=3"),
         (["--sclae=smoke", out], "unrecognized arguments: --sclae=smoke; did you mean --scale?"),  # not "required"
+        (["--scal=smoke", out], "unrecognized arguments: --scal=smoke; did you mean --scale?"),  # never a prefix
         (["--scale=smoke"], "the following arguments are required: --out"),
     ]
     line, stdout = refused(*cases[0][0])  # as a process: one line on stderr, exit status 2
