@@ -41,6 +41,8 @@ of the stages it depends on. A command whose stages differ from the ones in OUT 
 task file or flag) is refused, naming the stages that differ: use a new --out. Refused rather than re-run in
 place, because re-running would delete the finished runs of the first command, and a report must never mix two.
 """
+import argparse
+import functools
 import json
 import math
 import re
@@ -363,30 +365,65 @@ def start_tokenizer(start):
 
 
 # -----------------------------------------------------------------------------
-# What a plan can detect: the variance components of a finished report (per task, the replicates', the seeds' and
-# the test examples' shares of each difference's variance), projected onto this plan's replicates, seeds and test
-# sets (machinery/compare.py: `project`, `needed`).
+# What a plan can detect: the variance components of a finished report (per task, pooled over the arms of each
+# comparison as its intervals pooled them, and over the comparisons), projected onto this plan's replicates, seeds
+# and test sets at three readings (machinery/compare.py: `components`, `project`, `needed`).
 
 
 def read_components(path):
-    """{task: [variance components of each fine-tuning difference]} of a report.json reproduce.py wrote."""
+    """(report, {task: variance components}) of a report.json reproduce.py wrote: per task, the runs' differences
+    of every comparison's pooled arms (or of its every arm, where none pooled), pooled again over the comparisons.
+    A report written before reports kept each run's differences gives each difference's own components, averaged
+    (`averaged`)."""
+    import numpy as np
+    from machinery.compare import components
     rep = read_json(path, "a report.json of reproduce.py")
-    found = {}
+    groups, older = {}, {}
     for comparison in (rep.get("finetune") or {}).values() if isinstance(rep, dict) else ():
         for task, t in comparison.get("tasks", {}).items():
-            for row in t["arms"].values():
-                if isinstance(row.get("difference"), dict) and row["difference"].get("components"):
-                    found.setdefault(task, []).append(row["difference"]["components"])
+            rows = [row["difference"] for row in t["arms"].values() if isinstance(row.get("difference"), dict)]
+            pooled = [t["arms"][arm]["difference"] for arm in t.get("pooled") or []] or rows
+            if pooled and all("measured" in d for d in pooled):
+                groups.setdefault(task, []).append([{**d["measured"], "runs": np.array(d["measured"]["runs"])}
+                                                    for d in pooled])
+            else:
+                older.setdefault(task, []).extend(d["components"] for d in rows if d.get("components"))
+    found = {task: components(g) for task, g in groups.items()}
+    found.update({task: averaged(cs) for task, cs in older.items() if cs and task not in found})
     if not found:
         raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
                          f"them, or one without fine-tuning); name a report.json of this version")
     return rep, found
 
 
-def power_plan(a, s):
-    """Print, per task, the difference this plan would detect with 80% power (the mean of the source report's
-    components over its compared arms, and the range over them), and with --detect what would reach that."""
-    from machinery.compare import needed, project
+def averaged(cs):
+    """The components of a report written before reports kept each run's differences: each difference's own (its
+    replicate, seed and example variances), averaged over the differences, on one difference's degrees of freedom
+    (they share a reference: more would overstate them), the examples' part all counted as shared by the runs."""
+    first, R, S = cs[0], cs[0]["replicates"], cs[0]["seeds"]
+
+    def mean(key):
+        return sum(c[key] or 0.0 for c in cs) / len(cs)
+
+    inside = first["seeds_inside"]
+    top = mean("seed_var") if R == 1 else mean("replicate_var") + (0.0 if inside else mean("seed_var") / S)
+    return dict(replicates=R, seeds=S, examples=first["examples"], arms=1, top_var=top,
+                top_df=R - 1 if R > 1 else S - 1, seed_var=None if inside else mean("seed_var"), seed_df=R * (S - 1),
+                replicate_var=None if R == 1 else mean("replicate_var"), seeds_inside=inside,
+                example_var=mean("example_var"), example_run_var=0.0, older=True)
+
+
+def detect_list(text):
+    """argparse type: differences in points separated by commas, each a finite number above 0."""
+    return [positive_float(x) for x in text.split(",")]
+
+
+def power_plan(a, s, hours_at):
+    """Print, per task, the difference this plan would detect with 80% power at the source report's pooled
+    components, with its range over their uncertainty, what the reading assumed and the least any design detects
+    on the task's test set; with --detect, per difference asked for, what would reach it (at the paper's scale with
+    the trainings' GPU-hours of the replicates named: hours_at(replicates))."""
+    from machinery.compare import READINGS, floor, needed, project
     from machinery.tasks import read_task
     source = Path(a.components) if a.components else HERE / "docs" / f"{a.study}-cpu" / "report.json"
     if not source.is_file():
@@ -400,31 +437,65 @@ def power_plan(a, s):
             raise
         return print(f"power: not estimated ({e})")
     R, S = a.replicates, len(str(s["ft"]["seeds"]).split(","))
+    measured_at = rep.get("scale")
     print(f"power: this plan, {R} replicate(s) x {S} fine-tuning seed(s), with the variance components of {source} "
-          f"(scale {rep.get('scale')}, measured at that run's model and fine-tuning budget; another budget changes "
-          f"them):")
+          f"(scale {measured_at}, its model and fine-tuning budget)"
+          + ("" if measured_at == a.scale else
+             f"; BORROWED from the {measured_at} scale: this plan is at the {a.scale} scale, whose model and "
+             f"fine-tuning change them, so every figure below assumes the same variance in points there, an "
+             f"assumption no run has tested") + ". Each figure at the estimate, then [at the low, high 95% "
+          "confidence bound of the runs' variance]:")
     for folder in a.tasks:
         name, total = Path(folder).name, len(read_task(folder)["test"])
         N = min(total, s["ft"].get("test_subset") or total)
         if name not in found:
             print(f"  {name}: the source report holds no comparison on it")
             continue
-        each = [project(c, R, S, N)["detectable"] for c in found[name]]
-        pooled = {k: sum(c[k] or 0.0 for c in found[name]) / len(found[name]) if k.endswith("_var")
-                  else found[name][0][k] for k in found[name][0]}
-        if any(c["replicate_var"] is None for c in found[name]):
-            pooled["replicate_var"] = None
-        mean = project(pooled, R, S, N)["detectable"]
-        print(f"  {name}: {N} test examples: detects {100 * mean:.1f} points with 80% power (from "
-              f"{100 * min(each):.1f} to {100 * max(each):.1f} over the source's {len(each)} compared arms)")
-        if a.detect:
-            need = needed(pooled, a.detect / 100, R, S, N, total)
-            ways = [f"{need['replicates']} replicates" if need["replicates"] else "no number of replicates up to 200",
-                    f"{need['seeds']} seeds" if need["seeds"] else "no number of seeds up to 200",
-                    f"{need['examples']} test examples" if need["examples"] else
-                    f"not with test examples alone (all {total} the task holds give "
-                    f"{100 * need['all_examples']:.1f} points)"]
-            print(f"    to detect {a.detect:g} points, one change at a time: " + "; or ".join(ways))
+        c = found[name]
+        at = {reading: project(c, R, S, N, reading)["detectable"] for reading in READINGS}
+        print(f"  {name}: {N} test examples: detects {100 * at['point']:.1f} points with 80% power "
+              f"[{100 * at['low']:.1f}, {100 * at['high']:.1f}] (the runs' variance on {c['top_df']:g} degrees of "
+              f"freedom" + (f", pooled over {c['arms']} differences" if c["arms"] > 1 else "") + "); no number of "
+              f"replicates or seeds detects less than {100 * floor(c, total):.1f} on all {total} test examples (the "
+              f"part of their sampling noise that every run shares)")
+        for note in reading_notes(c):
+            print(f"    {note}")
+        for target in a.detect or ():
+            ways = {reading: needed(c, target / 100, R, S, N, total, reading=reading) for reading in READINGS}
+            print(f"    to detect {target:g} point{'' if target == 1 else 's'}, one change at a time: " + "; or ".join(
+                way(ways, key, total, hours_at) for key in ("replicates", "seeds", "examples")))
+
+
+def reading_notes(c):
+    """What a reading of these components assumed, in words."""
+    notes = []
+    if c.get("older"):
+        notes.append("each difference's own components, averaged (a report written before reports pooled them and "
+                     "kept each run's differences); the examples' part is held as it was measured")
+    if c["replicate_var"] is not None and c["replicate_var"] < 0:
+        notes.append(f"the replicate variance's estimate is below 0 ({1e4 * c['replicate_var']:+.2f} points^2: the "
+                     f"replicate means vary less than their seeds predict): read as 0, their spread all seed noise")
+    if c["seeds_inside"]:
+        notes.append("one fine-tuning seed: seed noise cannot be told from pretraining noise; more seeds are read "
+                     "as changing nothing, and at the low bound as if all of it were seed noise")
+    return notes
+
+
+def way(ways, key, total, hours_at):
+    """One answer of `needed` at the estimate, with its range over the readings."""
+    def one(reading):
+        n = ways[reading][key]
+        if n is None:
+            return "none up to 200" if key != "examples" else f"not with all {total}"
+        return f"{n}" + (f" (~{hours_at(n):,.0f} GPU-h)" if key == "replicates" and hours_at else "")
+    point = ways["point"][key]
+    what = {"replicates": "replicates", "seeds": "seeds", "examples": "test examples"}[key]
+    head = (f"{point} {what}" + (f" (~{hours_at(point):,.0f} H100 GPU-hours of training)" if key == "replicates"
+                                  and hours_at else "") if point is not None else
+            f"no number of {what} up to 200" if key != "examples" else
+            f"not with test examples alone (all {total} the task holds give {100 * ways['point']['all_examples']:.1f} "
+            f"points)")
+    return f"{head} [{one('low')}, {one('high')}]"
 
 
 # -----------------------------------------------------------------------------
@@ -435,7 +506,8 @@ def power_plan(a, s):
 def report(out, study, scale, s, stages, plan, R):
     from eval import kind_of  # imports torch: only the report needs it
     from machinery import report as render
-    from machinery.compare import compare
+    from eval import cka_summary
+    from machinery.compare import compare, compared, family
     from machinery.stages import stage_times
     runs = runs_summary(stages)
     rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], runs=runs,
@@ -446,9 +518,11 @@ def report(out, study, scale, s, stages, plan, R):
             rep["finetune"][title] = compare({m: {f"{lr:g}": [ft_path(out, replicate(m, r), lr)
                                                                for r in range(1, R + 1)] for lr in s["lrs"]}
                                               for m in models}, kind_of, base)
-    if study == "detour":
-        rep["cka"] = {w: as_in_out({k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"},
-                                   out) for w in ("before", "after")}
+    family([d for c in rep["finetune"].values() for d in compared(c)])  # the study's fine-tuning comparisons
+    if study == "detour":  # CKA summarised again from every draw's numbers, by this version's code
+        cka = {w: read_json(out / f"cka-{w}.json") for w in ("before", "after")}
+        rep["cka"] = {w: as_in_out({**{k: v for k, v in r.items() if k != "per_seed"}, **cka_summary(r["per_seed"])},
+                                   out) for w, r in cka.items()}
         rep["needle"] = as_in_out(needle_summary(out / "needle.json"), out)
     rep["what"] = what_was_run(rep, study, s, stages)
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
@@ -510,12 +584,16 @@ def runs_summary(stages):
 
 def losses(runs, models, base, R):
     """Per model: its final validation MLM and CLM losses over the replicates, mean and 95% interval; and its
-    paired difference to `base` replicate by replicate, with the verdict (lower is better) and the difference a t
-    test over the replicates would detect with 80% power."""
+    paired difference to `base` replicate by replicate, with the verdict (lower is better), the difference a t
+    test over the replicates would detect with 80% power, and whether the two models trained different objectives
+    (`by_construction`: their losses differ whatever the recipe is worth, so no count of what chance gives holds
+    them)."""
     from machinery.compare import detectable, t_interval, verdict
+    from machinery.report import chain
     out = {}
     for m in models:
         out[m] = {}
+        trained = [[runs[n]["objective"] for n in chain(runs, replicate(x, 1))] for x in (m, base)]
         for column, key in ((1, "val_mlm"), (2, "val_clm")):
             final = [runs[replicate(m, r)]["val"][-1][column] for r in range(1, R + 1)]
             ref = [runs[replicate(base, r)]["val"][-1][column] for r in range(1, R + 1)]
@@ -526,7 +604,8 @@ def losses(runs, models, base, R):
                 d, dl, dh = t_interval(diffs)
                 se = statistics.stdev(diffs) / math.sqrt(R) if R > 1 else None
                 entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"),
-                                           detectable=None if se is None else detectable(se * se, 0.0, R))
+                                           detectable=None if se is None else detectable(se * se, 0.0, R - 1),
+                                           by_construction=trained[0] != trained[1])
             out[m][key] = entry
     return out
 
@@ -639,9 +718,9 @@ def parse(argv):
     parser.add_argument("--components", default=None, help="--dry_run: the report.json of a finished run whose "
                         "variance components predict what this plan detects (default: the study's cpu report in "
                         "docs/)")
-    parser.add_argument("--detect", type=positive_float, default=None, help="--dry_run: a true difference in points (x100 of "
-                        "a task's metric, e.g. 2.8) to detect with 80%% power: says how many replicates, seeds or test "
-                        "examples would")
+    parser.add_argument("--detect", type=detect_list, default=None, help="--dry_run: true differences in points (x100 "
+                        "of a task's metric, e.g. 2.8,2,1,0.3) to detect with 80%% power: says how many replicates, "
+                        "seeds or test examples would, and the GPU-hours of those replicates")
     return parser.parse_args(argv)
 
 
@@ -730,7 +809,9 @@ def main(argv=None):
         for st in stages:
             cost = f"   (~{hours[st.name]:.3g} H100 GPU-hours)" if st.name in hours else ""
             print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
-        power_plan(a, s)
+        power_plan(a, s, functools.lru_cache(None)(lambda r: sum(gpu_hours(
+            plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": r})), s, a.start or s.get("start")).values()))
+                   if a.scale == "paper" else None)
         print(f"the trainings: ~{sum(hours.values()):.3g} H100 GPU-hours in all (an estimate: model FLOPs at "
               f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")
         if a.start and not Path(a.start).exists():

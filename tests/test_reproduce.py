@@ -432,33 +432,58 @@ def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
 
 
 def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
-    """From a report's variance components: per task, the difference the plan detects with 80% power; with
-    --detect, the replicates, seeds or test examples that would reach it (checked against machinery/compare.py's
-    own projection). Bad input is one line: --detect of 0 or below, a report without components."""
+    """From a report's runs: per task, the variance components pooled over its arms (machinery/compare.py's
+    `components`), the difference the plan detects with 80% power with its range over their uncertainty; with
+    --detect, the replicates (with their GPU-hours), seeds or test examples that would reach each difference, at
+    the estimate and at both bounds. A report written before reports kept each run's differences: each difference's
+    own components, averaged, said so; a replicate part below 0, said so. Bad input is one line: --detect of 0 or
+    below, a report without components."""
     need(CORPUS)
     sys.path.insert(0, str(ROOT))
-    from machinery.compare import needed, project
-    components = dict(replicates=3, seeds=2, examples=940, replicate_var=2e-4, seed_var=4e-4, example_var=0.05,
-                      seeds_inside=False)
-    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
-        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}
+    import numpy as np
+    from machinery.compare import components, needed, project
+    from reproduce import averaged
+    rng = np.random.default_rng(0)
+    runs = {arm: rng.normal(0, 0.02, (3, 2)) for arm in ("clm", "x")}
+    measured = {arm: dict(runs=r.tolist(), examples=940, example_var=0.05, example_run_var=0.03)
+                for arm, r in runs.items()}
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"pooled": ["clm", "x"], "arms": {
+        "mlm": {}, **{arm: {"difference": {"measured": m, "components": {}}} for arm, m in measured.items()}}}}}}}
     source = tmp_path / "report.json"
     source.write_text(json.dumps(rep))
     out = tmp_path / "exp"
     status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--components={source}",
-                                   "--detect=3")
+                                   "--detect=3,2")
+    assert status == 0, err
+    c = components([[{**m, "runs": runs[arm]} for arm, m in measured.items()]])
+    at = {reading: 100 * project(c, 3, 2, 940, reading)["detectable"] for reading in ("point", "low", "high")}
+    ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
+    assert f"detects {at['point']:.1f} points with 80% power [{at['low']:.1f}, {at['high']:.1f}]" in ncbi
+    assert "940 test" in ncbi and "pooled over 2 differences" in ncbi and "4 degrees of freedom" in ncbi
+    for target in (3, 2):
+        ways = next(line for line in text.splitlines() if line.startswith(f"    to detect {target} points"))
+        need_ = {r: needed(c, target / 100, 3, 2, 940, 940, reading=r) for r in ("point", "low", "high")}
+        assert ways.startswith(f"    to detect {target} points, one change at a time: {need_['point']['replicates']} "
+                               f"replicates (~") and "H100 GPU-hours of training" in ways
+        assert f"[{need_['low']['replicates']} (~" in ways
+    assert "chemprot: the source report holds no comparison" in text and "BORROWED" not in text
+    assert not out.exists()
+    older = dict(replicates=3, seeds=2, examples=940, replicate_var=-2e-4, seed_var=8e-4, example_var=0.05,
+                 seeds_inside=False)  # a report of the version before: each difference's own components
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": older}}}}}}}}
+    source.write_text(json.dumps(rep))
+    status, text, err = in_process(capsys, "--scale=paper", f"--out={out}", "--dry_run", "--gpus=4",
+                                   f"--components={source}", "--detect=2.8")
     assert status == 0, err
     ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
-    assert f"detects {100 * project(components, 3, 2, 940)['detectable']:.1f} points" in ncbi and "940 test" in ncbi
-    need_ = needed(components, 0.03, 3, 2, 940, 940)
-    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
-    assert need_["replicates"] and f"{need_['replicates']} replicates" in ways
-    assert "chemprot: the source report holds no comparison" in text
-    assert not out.exists()
+    assert f"detects {100 * project(averaged([older]), 3, 5, 940)['detectable']:.1f} points" in ncbi
+    assert "BORROWED from the cpu scale" in text and "each difference's own components, averaged" in text
+    assert "replicate variance's estimate is below 0" in text
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"scale": "cpu", "finetune": {}}))
     for args, message in (([f"--components={source}", "--detect=0"], "--detect: expected a finite number above 0"),
-                          ([f"--components={source}", "--detect=-1"], "expected a finite number above 0, got '-1'"),
+                          ([f"--components={source}", "--detect=2,-1"], "expected a finite number above 0, got '-1'"),
                           ([f"--components={bare}"], "no variance components in it"),
                           ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
         status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", *args)
@@ -533,3 +558,4 @@ def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
     assert line.get_drawstyle() == "steps-pre"
     assert list(zip(line.get_xdata(), line.get_ydata())) == [(0, 5e-4), (1024, 5e-4), (2048, 1e-3), (3072, 1e-3),
                                                              (4096, 1e-3)]
+
