@@ -3,6 +3,7 @@ resumed; another command refused on a finished experiment; one-line errors; the 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -559,3 +560,23 @@ def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
     assert list(zip(line.get_xdata(), line.get_ydata())) == [(0, 5e-4), (1024, 5e-4), (2048, 1e-3), (3072, 1e-3),
                                                              (4096, 1e-3)]
 
+
+def test_docs_state_the_sums_the_dry_run_prints(capsys):
+    """docs/reproducing.md's plans for the papers' effects and for the biphasic study's 3 points are what the dry
+    runs print: every number of those sentences is in the dry run's output (or is the paper's, or the design's)."""
+    need(CORPUS)
+    text = (ROOT / "docs" / "reproducing.md").read_text()
+    plans = [("What the papers' effects would need.", ["--scale=paper", "--gpus=4", "--detect=2.8,2,1,0.3"]),
+             ("**Where the power went.**", ["--study=biphasic", "--scale=cpu", "--detect=3"])]
+    for start, args in plans:
+        paragraph = text[text.index(start):].split("\n\n")[0]
+        status, out, err = in_process(capsys, *args, f"--out={ROOT / 'out' / 'never-made'}", "--dry_run")
+        assert status == 0, err
+        number = r"(?<![\w.,-])\d{1,3}(?:,\d{3})*(?:\.\d+)?(?!\w|,\d)"
+        printed, stated = set(re.findall(number, out)), re.findall(number, paragraph.replace("`", " "))
+        design = {"0.3", "0.8", "2.7", "61.6", "58.9", "2.8", "2", "1", "3", "5", "4", "200", "4.5", "29.0", "6.4",
+                  "20.9", "5.3", "8.1", "2.5", "3.1"}
+        assert not [x for x in stated if x not in printed and x not in design], paragraph
+    status, out, _ = in_process(capsys, "--scale=paper", "--gpus=4", f"--out={ROOT / 'out' / 'never-made'}",
+                                "--dry_run")
+    assert "the trainings: ~200 H100 GPU-hours" in out and "about 200 GPU-hours (its seed controls included)" in text
