@@ -809,8 +809,9 @@ def main(argv=None):
         for st in stages:
             cost = f"   (~{hours[st.name]:.3g} H100 GPU-hours)" if st.name in hours else ""
             print(f"{st.name}: {shown(st.command)}{cost}" + ("   (finished in OUT)" if st.name in finished else ""))
+        start = a.start or s.get("start")
         power_plan(a, s, functools.lru_cache(None)(lambda r: sum(gpu_hours(
-            plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": r})), s, a.start or s.get("start")).values()))
+            plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": r})), s, start).values()))
                    if a.scale == "paper" else None)
         print(f"the trainings: ~{sum(hours.values()):.3g} H100 GPU-hours in all (an estimate: model FLOPs at "
               f"{MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning and CKA not counted)")

@@ -576,7 +576,8 @@ def compared(comparison):
 def table(files, kind_of, reference=None):
     """`eval.py table`: print and return the comparison of results files of `eval.py finetune`, each file an arm,
     or several separated by commas, the replicates of one arm (replicate r of each arm paired), its comparisons read
-    alone and as one family (Holm); the first arm is the reference unless --reference names another. An arm is named by its first file. kind_of: eval.py's task_kind."""
+    alone and as one family (Holm); the first arm is the reference unless --reference names another. An arm is
+    named by its first file. kind_of: eval.py's task_kind."""
     if len(set(map(str, files))) < len(files):
         raise InputError(f"a results file is given twice: {list(map(str, files))}")
     arms = {}

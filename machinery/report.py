@@ -83,7 +83,8 @@ def cka_markdown(r):
 def plot_cka(r, path):
     """Left: 1 - CKA per layer, the pair's mean with its interval over replicates, each seed control, the band's
     bound and the pair's geometric mean it is compared with, on a linear axis from 0; right (with controls): the
-    ratio with its interval, against 1 (no more than seed noise). Layers outside the band are starred; the rule is written under the panels."""
+    ratio with its interval, against 1 (no more than seed noise). Layers outside the band are starred; the rule is
+    written under the panels."""
     c, band = r.get("controls"), r.get("band")
     fig = new_figure((12 if c else 6.5, 5), 150, what="CKA figure (the JSON has every number)")
     if fig is None:
