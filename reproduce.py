@@ -22,12 +22,12 @@ per replicate: CLM alone is CLM 25% handed off to CLM at 25% and again at 50% of
 off. Then continued pretraining: MLM for an extra budget E from the MLM-only and from the CLM-only model (their
 weights, with a fresh optimizer and schedule); and a decoder control: from the CLM-only model an MLM detour then a
 CLM return, against CLM continued for E, compared on validation CLM loss. The six encoders are fine-tuned at each
-learning rate of the scale; each model's rate is chosen on dev.
+learning rate of the scale; each replicate's rate is chosen on the other replicates' dev scores.
 
 The report (OUT/report.md, report.json, report.png) gives every difference between arms with its 95% interval over
 the replicates (and, for fine-tuning, the seeds and test examples), says "better" or "worse" only where the
 interval excludes 0, flags models that collapsed to the majority baseline, and reads test scores only at the
-setting each model chose on dev.
+setting chosen on dev (for each replicate, on the other replicates' dev scores).
 
 Every stage is an ordinary command of data.py, train.py or eval.py, printed before it runs (its output goes to
 OUT/logs/STAGE.log). A finished stage is skipped, an interrupted training resumes, independent stages run side by
@@ -645,7 +645,7 @@ def what_was_run(rep, study, s, stages):
     tasks = next(st.inputs for st in stages if st.name.startswith("finetune-"))
     seeds_ = ft["seeds"].split(",")
     lrs = (f"lr {s['lrs'][0]:g} (fixed, not chosen)" if len(s["lrs"]) == 1 else
-           f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each model's chosen on dev)")
+           f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each replicate's chosen on the other replicates' dev)")
     rows = [("study", f"`--study={study}`: {TITLES[study]}"),
             ("scale", f"`{rep['scale']}`: `train.py --recipe={s['recipe']}`"),
             ("model", model_line(first.run_dir)),

@@ -11,7 +11,8 @@ they are read on; whether a model learned anything a task can rank; and the comp
 The design. The unit of an arm is a pretraining run (a replicate); fine-tuning seeds and test examples are nested
 in it. Replicate r of every arm shares its data order, a fine-tuning seed is the same classifier init and data
 order for every model, and every model is scored on the same test examples, so differences are paired at every
-level. Settings (learning rate, checkpoint) are chosen on dev; test is read once, for that setting.
+level. Settings are chosen on dev, a replicate's learning rate on the other replicates' dev scores and a run's
+checkpoint on its own; test is read once, for that setting.
 """
 import functools
 import math
@@ -464,17 +465,19 @@ def informative(metric, dev, majority, chance):
 
 
 # ----------------------------------------------------------------------------
-# Comparing fine-tuned arms: each arm's setting chosen on dev, whether it is informative, and every arm's
-# difference to a reference arm with its interval, its detectable difference and the words the interval allows.
+# Comparing fine-tuned arms: each replicate's setting chosen on the other replicates' dev scores, whether it is
+# informative, and every arm's difference to a reference arm with its interval (the runs' variance pooled over the
+# arms that learned), its detectable difference and the words the interval allows.
 
 
 def compare(arms, kind_of, reference=None):
     """arms: {arm: {setting: [results files of `eval.py finetune`, one per replicate]}}, the reference (default:
     the first arm) among them; kind_of(task entry) -> its task kind (eval.py's). Per task: the majority baseline,
-    the fine-tuning seeds every run shares (the pairing), and per arm the setting chosen on dev, the mean dev score
-    per setting, whether it is informative on dev, the test score (primary metric) with its interval, accuracy,
-    and its difference to the reference (interval, detectable difference, verdict). A task where the reference is
-    not informative gets no verdict; tasks that some arm lacks are named in "left_out"."""
+    the fine-tuning seeds every run shares (the pairing), and per arm the setting chosen for each run
+    (choose_apart), the mean dev score per setting, whether it is informative on dev, the test score (primary
+    metric) with its interval, accuracy, and its difference to the reference (interval, detectable difference,
+    verdict, its own components beside the pooled ones). A task where the reference is not informative gets no
+    verdict; tasks that some arm lacks are named in "left_out"."""
     reference = reference or next(iter(arms))
     if reference not in arms:
         raise InputError(f"reference arm {reference!r} is not among the arms {list(arms)}")

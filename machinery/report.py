@@ -171,7 +171,8 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                   f"majority baseline: {metric} dev {points(base['dev'][metric])}, test {points(base['test'][metric])}"
                   + (f", test accuracy {points(base['test']['accuracy'])}" if "accuracy" in base["test"] else "")
                   + ")", ""]
-        lines += [f"| arm | {settings} ({'chosen on the other runs’ dev' if chosen else 'fixed'}) | runs | dev "
+        how = "chosen on the other replicates' dev" if chosen else "fixed"
+        lines += [f"| arm | {settings} ({how}) | runs | dev "
                   f"{metric} | informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
                   f"(95% interval) | p; family-wise (Holm) | detectable (80% power) [95% range]; own | verdict |",
                   "|---" * 11 + "|"]

@@ -287,10 +287,16 @@ def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendi
     report = json.loads((out / "report.json").read_text())
     encoders = ["mlm", "clm25-mlm", "clm50-mlm", "clm", "cpt-from-mlm", "cpt-from-clm"]
     assert [m for c in report["finetune"].values() for m in next(iter(c["tasks"].values()))["arms"]] == encoders
+    import numpy as np
+    from machinery.compare import choose_apart
     for comparison in report["finetune"].values():
-        for t in comparison["tasks"].values():
-            for row in t["arms"].values():  # the chosen lr is the one with the best mean dev score
-                assert row["setting"] == max(row["dev"], key=row["dev"].get) and row["runs"] == 4
+        for task, t in comparison["tasks"].items():
+            for arm, row in t["arms"].items():  # each replicate's lr: the best mean dev score of the other's runs
+                dev = {lr: np.array([[s["dev"][t["metric"]] for s in json.loads(
+                    (out / "finetune" / f"{arm}-r{r}-lr{lr}.json").read_text())["tasks"][task]["seeds"].values()]
+                    for r in (1, 2)]) for lr in row["dev"]}
+                assert row["chosen"] == choose_apart(dev) and row["runs"] == 4
+                assert row["setting"] == ", ".join(dict.fromkeys(x for each in row["chosen"] for x in each))
     assert list(report["per_setting"]) == encoders
     assert all(list(by_lr) == ["0.001", "0.003"] for tasks in report["per_setting"].values() for by_lr in tasks.values())
     assert set(report["losses"]) == {"from scratch at one budget B", "continued pretraining, E more tokens of MLM",
@@ -303,7 +309,7 @@ def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendi
     text = (out / "report.md").read_text()
     assert text.startswith("# CLM then MLM against MLM alone, from scratch at one budget, scale `smoke`")
     assert "test the pipeline only" in text and "B = 16,384 (16 steps)" in text
-    assert text.count("| arm | fine-tuning lr (chosen on dev) |") == 6  # two comparisons, three tasks each
+    assert text.count("| arm | fine-tuning lr (chosen on the other replicates' dev) |") == 6  # 2 comparisons x 3 tasks
     assert "## Appendix: every fine-tuning learning rate" in text and "Not used for any comparison" in text
     assert "## The verdicts" in text and "Wall time:" in text and "Summed stage time:" in text
     assert (out / "report.png").stat().st_size > 10_000
