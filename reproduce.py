@@ -23,12 +23,12 @@ per replicate: CLM alone is CLM 25% handed off to CLM at 25% and again at 50% of
 off. Then continued pretraining: MLM for an extra budget E from the MLM-only and from the CLM-only model (their
 weights, with a fresh optimizer and schedule); and a decoder control: from the CLM-only model an MLM detour then a
 CLM return, against CLM continued for E, compared on validation CLM loss. The six encoders are fine-tuned at each
-learning rate of the scale; each model's rate is chosen on dev.
+learning rate of the scale; each replicate's rate is chosen on the other replicates' dev scores.
 
 The report (OUT/report.md, report.json, report.png) gives every difference between arms with its 95% interval over
 the replicates (and, for fine-tuning, the seeds and test examples), says "better" or "worse" only where the
 interval excludes 0, flags models that collapsed to the majority baseline, and reads test scores only at the
-setting each model chose on dev.
+setting chosen on dev (for each replicate, on the other replicates' dev scores).
 
 Every stage is an ordinary command of data.py, train.py or eval.py, printed before it runs (its output goes to
 OUT/logs/STAGE.log). A finished stage is skipped, an interrupted training resumes, independent stages run side by
@@ -415,9 +415,9 @@ def start_tokenizer(start):
 
 
 # -----------------------------------------------------------------------------
-# What a plan can detect: the variance components of a finished report (per task, the replicates', the seeds' and
-# the test examples' shares of each difference's variance), projected onto this plan's replicates, seeds and test
-# sets (machinery/compare.py: `project`, `needed`).
+# What a plan can detect: the variance components of a finished report (per task, pooled over the arms of each
+# comparison as its intervals pooled them, and over the comparisons), projected onto this plan's replicates, seeds
+# and test sets at three readings (machinery/compare.py: `components`, `project`, `needed`).
 
 
 def test_examples(rep, task):
@@ -426,11 +426,17 @@ def test_examples(rep, task):
                  if task in c.get("tasks", {}) and "test_examples" in c["tasks"][task]), None)
 
 
+def detect_list(text):
+    """argparse type: differences in points separated by commas, each a finite number above 0."""
+    return [positive_float(x) for x in text.split(",")]
+
+
 def power_plan(a, s, price=lambda **_: ""):
-    """Print, per task, the difference this plan would detect with 80% power (the mean of the source report's
-    components over its compared arms, and the range over them), and with --detect what would reach that and what
-    it costs (price(replicates=n) or price(seeds=n): words)."""
-    from machinery.compare import needed, project
+    """Print, per task, the difference this plan would detect with 80% power at the source report's pooled
+    components, with its range over their uncertainty, what the reading assumed and the least any design detects
+    on the task's test set; with --detect, per difference asked for, what would reach it and what that costs
+    (price(replicates=n) or price(seeds=n): words)."""
+    from machinery.compare import READINGS, floor, needed, project
     from machinery.tasks import read_task
     source = Path(a.components) if a.components else HERE / "docs" / f"{a.study}-cpu" / "report.json"
     if not source.is_file():
@@ -444,9 +450,14 @@ def power_plan(a, s, price=lambda **_: ""):
             raise
         return print(f"power: not estimated ({e})")
     R, S = a.replicates, len(str(s["ft"]["seeds"]).split(","))
+    measured_at = rep.get("scale")
     print(f"power: this plan, {R} replicate(s) x {S} fine-tuning seed(s), with the variance components of {source} "
-          f"(scale {rep.get('scale')}, measured at that run's model and fine-tuning budget; another budget changes "
-          f"them):")
+          f"(scale {measured_at}, its model and fine-tuning budget)"
+          + ("" if measured_at == a.scale else
+             f"; BORROWED from the {measured_at} scale: this plan is at the {a.scale} scale, whose model and "
+             f"fine-tuning change them, so every figure below assumes the same variance in points there, an "
+             f"assumption no run has tested") + ". Each figure at the estimate, then [at the low, high 95% "
+          "confidence bound of the runs' variance]:")
     for folder in a.tasks:
         name = Path(folder).name
         total = len(read_task(folder)["test"]) if Path(folder).exists() else test_examples(rep, name)
@@ -457,25 +468,49 @@ def power_plan(a, s, price=lambda **_: ""):
         if name not in found:
             print(f"  {name}: the source report holds no comparison on it")
             continue
-        each = [project(c, R, S, N)["detectable"] for c in found[name]]
-        pooled = {k: sum(c[k] or 0.0 for c in found[name]) / len(found[name]) if k.endswith("_var")
-                  else found[name][0][k] for k in found[name][0]}
-        if any(c["replicate_var"] is None for c in found[name]):
-            pooled["replicate_var"] = None
-        mean = project(pooled, R, S, N)["detectable"]
-        print(f"  {name}: {N} test examples: detects {100 * mean:.1f} points with 80% power (from "
-              f"{100 * min(each):.1f} to {100 * max(each):.1f} over the source's {len(each)} compared arms)")
-        if a.detect:
-            need = needed(pooled, a.detect / 100, R, S, N, total)
-            ways = [f"{need['replicates']} replicates{price(replicates=need['replicates'])}" if need["replicates"]
-                    else "no number of replicates up to 200",
-                    f"{need['seeds']} seeds{price(seeds=need['seeds'])}" if need["seeds"]
-                    else "no number of seeds up to 200",
-                    f"{need['examples']} test examples (the same trainings, more of the test set scored)"
-                    if need["examples"] else
-                    f"not with test examples alone (all {total} the task holds give "
-                    f"{100 * need['all_examples']:.1f} points)"]
-            print(f"    to detect {a.detect:g} points, one change at a time: " + "; or ".join(ways))
+        c = found[name]
+        at = {reading: project(c, R, S, N, reading)["detectable"] for reading in READINGS}
+        print(f"  {name}: {N} test examples: detects {100 * at['point']:.1f} points with 80% power "
+              f"[{100 * at['low']:.1f}, {100 * at['high']:.1f}] (the runs' variance on {c['top_df']:g} degrees of "
+              f"freedom" + (f", pooled over {c['arms']} differences" if c["arms"] > 1 else "") + "); no number of "
+              f"replicates or seeds detects less than {100 * floor(c, total):.1f} on all {total} test examples (the "
+              f"part of their sampling noise that every run shares)")
+        for note in reading_notes(c):
+            print(f"    {note}")
+        for target in a.detect or ():
+            ways = {reading: needed(c, target / 100, R, S, N, total, reading=reading) for reading in READINGS}
+            print(f"    to detect {target:g} point{'' if target == 1 else 's'}, one change at a time: " + "; or ".join(
+                way(ways, key, total, price) for key in ("replicates", "seeds", "examples")))
+
+
+def reading_notes(c):
+    """What a reading of these components assumed, in words."""
+    notes = []
+    if c.get("older"):
+        notes.append("each difference's own components, averaged (a report written before reports pooled them and "
+                     "kept each run's differences); the examples' part is held as it was measured")
+    if c["replicate_var"] is not None and c["replicate_var"] < 0:
+        notes.append(f"the replicate variance's estimate is below 0 ({1e4 * c['replicate_var']:+.2f} points^2: the "
+                     f"replicate means vary less than their seeds predict): read as 0, their spread all seed noise")
+    if c["seeds_inside"]:
+        notes.append("one fine-tuning seed: seed noise cannot be told from pretraining noise; more seeds are read "
+                     "as changing nothing, and at the low bound as if all of it were seed noise")
+    return notes
+
+
+def way(ways, key, total, price):
+    """One answer of `needed` at the estimate with what it costs, and its range over the readings."""
+    def one(reading):
+        n = ways[reading][key]
+        return f"{n}" if n is not None else "none up to 200" if key != "examples" else f"not with all {total}"
+    point = ways["point"][key]
+    what = {"replicates": "replicates", "seeds": "seeds", "examples": "test examples"}[key]
+    cost = price(**{key: point}) if point is not None and key != "examples" else ""
+    head = (f"{point} {what}{cost}" if point is not None else
+            f"no number of {what} up to 200" if key != "examples" else
+            f"not with test examples alone (all {total} the task holds give {100 * ways['point']['all_examples']:.1f} "
+            f"points)")
+    return f"{head} [{one('low')}, {one('high')}]"
 
 
 # -----------------------------------------------------------------------------
@@ -486,7 +521,8 @@ def power_plan(a, s, price=lambda **_: ""):
 def report(out, study, scale, s, stages, plan, R):
     from eval import kind_of  # imports torch: only the report needs it
     from machinery import report as render
-    from machinery.compare import compare
+    from eval import cka_summary
+    from machinery.compare import compare, compared, family
     from machinery.stages import stage_times
     runs = runs_summary(stages)
     rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], runs=runs,
@@ -497,9 +533,11 @@ def report(out, study, scale, s, stages, plan, R):
             rep["finetune"][title] = compare({m: {f"{lr:g}": [ft_path(out, replicate(m, r), lr)
                                                                for r in range(1, R + 1)] for lr in s["lrs"]}
                                               for m in models}, kind_of, base)
-    if study == "detour":
-        rep["cka"] = {w: as_in_out({k: v for k, v in read_json(out / f"cka-{w}.json").items() if k != "per_seed"},
-                                   out) for w in ("before", "after")}
+    family([d for c in rep["finetune"].values() for d in compared(c)])  # the study's fine-tuning comparisons
+    if study == "detour":  # CKA summarised again from every draw's numbers, by this version's code
+        cka = {w: read_json(out / f"cka-{w}.json") for w in ("before", "after")}
+        rep["cka"] = {w: as_in_out({**{k: v for k, v in r.items() if k != "per_seed"}, **cka_summary(r["per_seed"])},
+                                   out) for w, r in cka.items()}
         rep["needle"] = as_in_out(needle_summary(out / "needle.json"), out)
     rep["what"] = what_was_run(rep, study, s, stages)
     spec = dict(title=TITLES[study], names=METHODS[study], final=FINAL[study], finetuned=FINETUNED[study])
@@ -561,12 +599,16 @@ def runs_summary(stages):
 
 def losses(runs, models, base, R):
     """Per model: its final validation MLM and CLM losses over the replicates, mean and 95% interval; and its
-    paired difference to `base` replicate by replicate, with the verdict (lower is better) and the difference a t
-    test over the replicates would detect with 80% power."""
+    paired difference to `base` replicate by replicate, with the verdict (lower is better), the difference a t
+    test over the replicates would detect with 80% power, and whether the two models trained different objectives
+    (`by_construction`: their losses differ whatever the recipe is worth, so no count of what chance gives holds
+    them)."""
     from machinery.compare import detectable, t_interval, verdict
+    from machinery.report import chain
     out = {}
     for m in models:
         out[m] = {}
+        trained = [[runs[n]["objective"] for n in chain(runs, replicate(x, 1))] for x in (m, base)]
         for column, key in ((1, "val_mlm"), (2, "val_clm")):
             final = [runs[replicate(m, r)]["val"][-1][column] for r in range(1, R + 1)]
             ref = [runs[replicate(base, r)]["val"][-1][column] for r in range(1, R + 1)]
@@ -577,7 +619,8 @@ def losses(runs, models, base, R):
                 d, dl, dh = t_interval(diffs)
                 se = statistics.stdev(diffs) / math.sqrt(R) if R > 1 else None
                 entry["difference"] = dict(mean=d, low=dl, high=dh, verdict=verdict(dl, dh, "higher", "lower"),
-                                           detectable=None if se is None else detectable(se * se, 0.0, R))
+                                           detectable=None if se is None else detectable(se * se, 0.0, R - 1),
+                                           by_construction=trained[0] != trained[1])
             out[m][key] = entry
     return out
 
@@ -617,7 +660,7 @@ def what_was_run(rep, study, s, stages):
     tasks = next(st.inputs for st in stages if st.name.startswith("finetune-"))
     seeds_ = ft["seeds"].split(",")
     lrs = (f"lr {s['lrs'][0]:g} (fixed, not chosen)" if len(s["lrs"]) == 1 else
-           f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each model's chosen on dev)")
+           f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each replicate's chosen on the other replicates' dev)")
     rows = [("study", f"`--study={study}`: {TITLES[study]}"),
             ("scale", f"`{rep['scale']}`: `train.py --recipe={s['recipe']}`"),
             ("model", model_line(first.run_dir)),
@@ -694,9 +737,9 @@ def parse(argv):
     parser.add_argument("--components", default=None, help="--dry_run: the report.json of a finished run whose "
                         "variance components predict what this plan detects (default: the study's cpu report in "
                         "docs/)")
-    parser.add_argument("--detect", type=positive_float, default=None, help="--dry_run: a true difference in points (x100 of "
-                        "a task's metric, e.g. 2.8) to detect with 80%% power: says how many replicates, seeds or test "
-                        "examples would")
+    parser.add_argument("--detect", type=detect_list, default=None, help="--dry_run: true differences in points (x100 "
+                        "of a task's metric, e.g. 2.8,2,1,0.3) to detect with 80%% power: says how many replicates, "
+                        "seeds or test examples would, and what those replicates or seeds cost")
     a = parser.parse_args(argv)
     data = Path(a.data)
     a.corpus = a.corpus or [str(data / sources.CORPUS)]
@@ -707,7 +750,7 @@ def parse(argv):
 
 # What one mode reads and the other does not: given to the other, a flag would be ignored without a word.
 DRY_RUN_ONLY = {"components": "the report whose variance components the plan is projected with",
-                "detect": "the difference the plan should detect"}
+                "detect": "the differences the plan should detect"}
 RUN_ONLY = {"jobs": "stages run side by side"}
 
 
@@ -718,8 +761,9 @@ def check_inputs(a):
     other = RUN_ONLY if a.dry_run else DRY_RUN_ONLY  # the flags this mode does not read
     how = "is read by a run alone ({}): --dry_run runs nothing; leave it out" if a.dry_run else \
         "is read by --dry_run alone ({}): add --dry_run to see it, or leave it out of a run"
-    problems = [f"--{flag}={getattr(a, flag)} {how.format(what)}" for flag, what in other.items()
-                if getattr(a, flag) is not None]
+    given = {flag: getattr(a, flag) for flag in other if getattr(a, flag) is not None}
+    problems = [f"--{flag}={','.join(map(str, v)) if isinstance(v, list) else v} {how.format(other[flag])}"
+                for flag, v in given.items()]
     data = Path(a.data).resolve()
     missing = [str(p) for p in [*a.corpus, *a.tasks, *([a.heldout] if a.study == "detour" else [])]
                if Path(p).resolve().is_relative_to(data) and not Path(p).exists()]

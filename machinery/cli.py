@@ -297,10 +297,12 @@ def did_you_mean(flag, names):
 
 class Parser(argparse.ArgumentParser):
     """argparse that shows every default in --help, turns usage errors into InputError, refuses a flag given
-    twice (argparse would silently keep the last value), and answers an unknown flag with the closest ones."""
+    twice (argparse would silently keep the last value), takes a flag by its whole name only (argparse would take
+    --scal for --scale, and a typo for another flag), and answers an unknown flag with the closest ones."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
@@ -322,10 +324,8 @@ class Parser(argparse.ArgumentParser):
         return namespace
 
     def knows(self, arg):
-        """Whether --flag[=value] names a flag of this parser or its sub-commands (or abbreviates one, as
-        argparse allows)."""
-        flag = arg.split("=", 1)[0]
-        return arg == "--" or any(name.startswith(flag[2:]) for name in flag_names(self))
+        """Whether --flag[=value] names a flag of this parser or its sub-commands."""
+        return arg == "--" or arg.split("=", 1)[0][2:] in flag_names(self)
 
 
 def flag_names(parser, namespace=None):

@@ -61,30 +61,78 @@ def components(c, field):
 
 
 def read_components(path):
-    """(the report, {task: [variance components of each fine-tuning difference]}) of a report.json reproduce.py
-    wrote; an InputError names --components, the file and the first field that is not as the report writes it."""
+    """(the report, {task: variance components}) of a report.json reproduce.py wrote, each difference's checked
+    field by field (an InputError names --components, the file and the first field that is not as the report writes
+    it): per task, the runs' differences of every comparison's pooled arms (or of its every arm, where none
+    pooled), pooled again over the comparisons (compare.components). A report written before reports kept each
+    run's differences gives each difference's own components, averaged (`averaged`)."""
+    import numpy as np
+
+    from machinery.compare import components as pooled_components
     rep = read_json(path, "a report.json of reproduce.py")
-    found = {}
+    groups, older = {}, {}
     try:
         if not isinstance(rep, dict):
             raise Bad("(top level)", f"expected an object, got {shown(rep)}")
         for title, comparison in entries(rep, "finetune", optional=True):
             here = f"finetune[{title!r}]"
             for task, t in prefixed(here, lambda: entries(comparison, "tasks")):
+                differences, own = {}, []
                 for arm, row in prefixed(f"{here}.tasks[{task!r}]", lambda: entries(t, "arms")):
                     at = f"{here}.tasks[{task!r}].arms[{arm!r}]"
                     difference = row.get("difference") if isinstance(row, dict) else None
                     if not isinstance(row, dict) or not (difference is None or isinstance(difference, dict)):
                         raise Bad(at, f"expected an object whose difference is an object, got {shown(row)}")
                     if difference and difference.get("components") is not None:
-                        found.setdefault(task, []).append(components(difference["components"],
-                                                                     f"{at}.difference.components"))
+                        own.append(components(difference["components"], f"{at}.difference.components"))
+                        differences[arm] = measured(difference.get("measured"), f"{at}.difference.measured")
+                pool = [arm for arm in t.get("pooled") or [] if arm in differences] or list(differences)
+                if pool and all(differences[arm] is not None for arm in pool):
+                    groups.setdefault(task, []).append([differences[arm] for arm in pool])
+                elif own:
+                    older.setdefault(task, []).extend(own)
     except Bad as e:
         raise InputError(f"--components={path}: {e.field}: {e.message}") from None
+    found = {task: pooled_components([[{**m, "runs": np.array(m["runs"])} for m in g] for g in group])
+             for task, group in groups.items()}
+    found.update({task: averaged(cs) for task, cs in older.items() if task not in found})
     if not found:
         raise InputError(f"--components={path}: no variance components in it (a report written before reports kept "
                          f"them, or one without fine-tuning); name a report.json of this version")
     return rep, found
+
+
+def measured(m, field):
+    """A difference's runs and examples (compare.measured, as a report keeps them), checked; None where a report
+    written before reports kept them has none."""
+    if m is None:
+        return None
+    runs = m.get("runs") if isinstance(m, dict) else None
+    if not (isinstance(runs, list) and runs and all(isinstance(r, list) and len(r) == len(runs[0]) and r
+                                                    and all(is_real(x) for x in r) for r in runs)):
+        raise Bad(f"{field}.runs", f"expected a table of finite numbers (replicates x seeds), got {shown(runs)}")
+    for key, ok in (("examples", is_count), ("example_var", is_real), ("example_run_var", is_real)):
+        if not ok(m.get(key)):
+            raise Bad(f"{field}.{key}", f"expected {'an integer >= 1' if key == 'examples' else 'a finite number'}, "
+                                        f"got {shown(m.get(key))}")
+    return m
+
+
+def averaged(cs):
+    """The components of a report written before reports kept each run's differences: each difference's own (its
+    replicate, seed and example variances), averaged over the differences, on one difference's degrees of freedom
+    (they share a reference: more would overstate them), the examples' part all counted as shared by the runs."""
+    first, R, S = cs[0], cs[0]["replicates"], cs[0]["seeds"]
+
+    def mean(key):
+        return sum(c[key] or 0.0 for c in cs) / len(cs)
+
+    inside = first["seeds_inside"]
+    top = mean("seed_var") if R == 1 else mean("replicate_var") + (0.0 if inside else mean("seed_var") / S)
+    return dict(replicates=R, seeds=S, examples=first["examples"], arms=1, top_var=top,
+                top_df=R - 1 if R > 1 else S - 1, seed_var=None if inside else mean("seed_var"), seed_df=R * (S - 1),
+                replicate_var=None if R == 1 else mean("replicate_var"), seeds_inside=inside,
+                example_var=mean("example_var"), example_run_var=0.0, older=True)
 
 
 def prefixed(where, get):

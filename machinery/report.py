@@ -47,35 +47,44 @@ def cka_markdown(r):
         lines += [f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} "
                   f"| {r['divergence_draw_sd'][i]:.1e} |" for i in r["layers"]]
         return "\n".join(lines) + "\n"
-    lines += [head[:-1] + f"| seed controls, mean ± sd (k = {c['k']}) | bound | outside the band | ratio (95% "
-              f"interval) |",
-              "|---" * 8 + "|"]
+    own = r["ratio"].get("replicates", m)
+    lines += [head[:-1] + f"| seed controls, mean ± sd (k = {c['k']}) | the pair's geometric mean | bound | outside "
+              f"the band | ratio (95% interval) |",
+              "|---" * 9 + "|"]
     for i in r["layers"]:
         outside = band["outside"][i]
         lines.append(
             f"| {i} | {r['divergence'][i]:.3e} | {span(r['divergence_low'][i], r['divergence_high'][i], '.2e')} | "
             f"{r['divergence_draw_sd'][i]:.1e} | {c['mean'][i]:.3e} ± {number(c['sd'][i], '.1e')} | "
-            f"{number(band['bound'][i], '.3e')} | {'-' if outside is None else 'yes' if outside else 'no'} | "
+            f"{number(band['level'][i], '.3e')} | {number(band['bound'][i], '.3e')} | "
+            f"{'-' if outside is None else 'yes' if outside else 'no'} | "
             f"{number(r['ratio']['mean'][i], '.2f')} {span(r['ratio']['low'][i], r['ratio']['high'][i], '.2f')} |")
     note = ("" if band["bound"][0] is not None else
             f" With {c['k']} control(s) there is no spread to bound: the rule needs at least 2.")
-    lines += ["", f"ratio: the pair's 1 - CKA over the controls' mean, its t interval over the {m} replicates (the "
-                  f"controls' mean taken as known; clipped at 0, as the ratio cannot go below). 1 - CKA's interval, and "
-                  f"the bound, are clipped to [0, 1], the range of 1 - CKA: with few runs t reaches past it. "
-                  f"{band['rule']}.{note}"]
+    lines += ["", f"ratio: each replicate's 1 - CKA over its own seed control's (the control that shares its {a} "
+                  f"run), the mean over those {own} replicates with a t interval (the controls' noise counted; "
+                  f"clipped at 0, as the ratio cannot go below). 1 - CKA's interval, and the bound, are clipped to "
+                  f"[0, 1], the range of 1 - CKA: with few runs t reaches past it. {band['rule']}.{note}"]
     if r.get("trend"):
         tr = r["trend"]
-        lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most): the ratio's "
-                      f"least-squares slope against the block index, {tr['slope']:+.3f} per block "
-                      f"{span(tr['low'], tr['high'], '+.3f')} (95% interval over the {m} replicates' slopes: "
-                      f"{', '.join(f'{x:+.3f}' for x in tr['each'])}): **{tr['verdict']}**."]
+
+        def slope(x, spec):
+            return (f"{x['slope']:{spec}} per block {span(x['low'], x['high'], spec)} (the replicates' slopes: "
+                    f"{', '.join(f'{v:{spec}}' for v in x['each'])}): {x['verdict']}")
+
+        lines += ["", f"**Trend with depth** (the paper's signature: lower blocks move most), per replicate the "
+                      f"least-squares slope against the block index, their mean with a 95% t interval over "
+                      f"replicates. Of the ratio (each replicate against its own control): "
+                      f"{slope(tr['ratio'], '+.3f')}. Of the raw 1 - CKA: {slope(tr['raw'], '+.4f')}. Read only "
+                      f"where both agree: **{tr['verdict']}**."]
     return "\n".join(lines) + "\n"
 
 
 def plot_cka(r, path):
-    """Left: 1 - CKA per layer, the pair's mean with its interval over replicates, each seed control and the band's
-    bound, on a linear axis from 0; right (with controls): the ratio with its interval, against 1 (no more than seed
-    noise). Layers outside the band are starred; the rule is written under the panels."""
+    """Left: 1 - CKA per layer, the pair's mean with its interval over replicates, each seed control, the band's
+    bound and the pair's geometric mean it is compared with, on a linear axis from 0; right (with controls): the
+    ratio with its interval, against 1 (no more than seed noise). Layers outside the band are starred; the rule is
+    written under the panels."""
     c, band = r.get("controls"), r.get("band")
     fig = new_figure((12 if c else 6.5, 5), 150, what="CKA figure (the JSON has every number)")
     if fig is None:
@@ -94,8 +103,10 @@ def plot_cka(r, path):
             ax.plot(layers, each, ".", color="grey", ms=5, label="each seed control" if j == 0 else None)
         if band["bound"][0] is not None:
             ax.plot(layers, band["bound"], "--", color="black", lw=1, label="the band's bound (one-sided 95%)")
+            ax.plot(layers, band["level"], "x", color="C0", ms=6, ls="none",
+                    label=f"{a} vs {b}, geometric mean (what the bound is for)")
             outside = [i for i in layers if band["outside"][i]]
-            ax.plot(outside, [r["divergence"][i] for i in outside], "*", color="red", ms=12, ls="none",
+            ax.plot(outside, [band["level"][i] for i in outside], "*", color="red", ms=12, ls="none",
                     label=f"outside the band ({len(outside)} of {len(layers)} layers)")
     ax.set_ylim(bottom=0)
     ax.set(xlabel="layer (block output)", ylabel="1 - linear CKA", title="representation divergence")
@@ -105,8 +116,10 @@ def plot_cka(r, path):
         mean = [math.nan if x is None else x for x in ratio["mean"]]
         err = [[0 if lo is None else x - lo for x, lo in zip(mean, ratio["low"])],
                [0 if hi is None else hi - x for x, hi in zip(mean, ratio["high"])]]
-        ax.errorbar(layers, mean, yerr=err if m > 1 else None, fmt="o-", color="C0", capsize=3,
-                    label=f"{a} vs {b}" + (" (bars: 95% t interval over replicates, clipped at 0)" if m > 1 else ""))
+        own = ratio.get("replicates", m)
+        ax.errorbar(layers, mean, yerr=err if own > 1 else None, fmt="o-", color="C0", capsize=3,
+                    label=f"{a} vs {b}, each replicate over its own control" + (
+                        " (bars: 95% t interval over replicates, clipped at 0)" if own > 1 else ""))
         ax.axhline(1, color="grey", ls=":", lw=1, label="the controls' mean (1)")
         if band["bound"][0] is not None:
             ax.plot(layers, [x / mu if mu else math.nan for x, mu in zip(band["bound"], c["mean"])], "--",
@@ -119,7 +132,8 @@ def plot_cka(r, path):
         ax.legend(fontsize=7)
     note = "1 - CKA: 0 = the same representation up to rotation and scale, 1 = unrelated."
     if band and band["bound"][0] is not None:
-        note += f" Outside the band: above the bound from {c['k']} controls (at most 5% of layers with no effect)."
+        note += (f" Outside the band: the geometric mean above the bound from {c['k']} controls (the rule and its "
+                 f"measured error rate are in the JSON's band.rule).")
     fig.text(0.5, 0.01, note, ha="center", fontsize=7)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return write_figure(fig, path)
@@ -135,9 +149,11 @@ def points(x):
 
 def finetune_markdown(comparison, names=None, settings="setting"):
     """A comparison (machinery.compare.compare) as one markdown table per task: scores x100, each arm's setting
-    (chosen on dev where there were several), whether it is informative on dev, its test score and its difference to
-    the reference with 95% intervals, the difference it would detect with 80% power, and the verdict. names: what
-    to call each arm (default: its key); settings: what a setting is (e.g. "fine-tuning lr")."""
+    (chosen on other runs' dev scores where there were several), whether it is informative on dev, its test score
+    and its difference to the reference with 95% intervals, its p value alone and over its family (Holm, where
+    compare.family has read one), the difference it would detect with 80% power with the range its variance's
+    uncertainty leaves (pooled, and its own), and the verdict. names: what to call each arm (default: its key);
+    settings: what a setting is (e.g. "fine-tuning lr")."""
     names = names or {}
     name = lambda arm: names.get(arm, arm)  # noqa: E731
     lines = []
@@ -160,18 +176,21 @@ def finetune_markdown(comparison, names=None, settings="setting"):
             lines += [f"**Fine-tuning budgets differ between the runs compared** ({budgets_text(mixed, name)}): each "
                       f"difference below, and its verdict, is that of the pretraining and of the fine-tuning budget "
                       f"together, not of the pretraining alone.", ""]
-        lines += [f"| arm | {settings} ({'chosen on dev' if chosen else 'fixed'}) | runs | dev {metric} | "
-                  f"informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
-                  f"(95% interval) | detectable (80% power) | verdict |", "|---" * 10 + "|"]
+        how = "chosen on the other replicates' dev" if chosen else "fixed"
+        lines += [f"| arm | {settings} ({how}) | runs | dev "
+                  f"{metric} | informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
+                  f"(95% interval) | p; family-wise (Holm) | detectable (80% power) [95% range]; own | verdict |",
+                  "|---" * 11 + "|"]
         for arm, row in t["arms"].items():
             test, d, info = row["test"], row.get("difference"), row["informative"]
-            lines.append(f"| {name(arm)} | {row['setting']} | {row['runs']} | {100 * row['dev'][row['setting']]:.2f} | "
+            lines.append(f"| {name(arm)} | {row['setting']} | {row['runs']} | {100 * row['dev_chosen']:.2f} | "
                          f"{'yes' if info['ok'] else 'no: ' + info['why']} | "
                          f"{100 * test['mean']:.2f} {span(test['low'], test['high'], '.2f', 100)} | "
                          f"{100 * row['accuracy']:.2f} | "
-                         + (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)} | "
-                            f"{detected(d)} | {d['verdict']}{' (budgets differ)' if mixed else ''} |" if d else
-                            "(the reference) | - | - |"))
+                         + (f"{100 * d['mean']:+.2f} {span(d['low'], d['high'], '+.2f', 100)} | {p_values(d)} | "
+                            f"{detected(d)}; own {detected(d['own'])} | {d['verdict']}"
+                            f"{' (budgets differ)' if mixed else ''} |" if d else
+                            "(the reference) | - | - | - |"))
         found = [row["difference"]["detectable"] for row in t["arms"].values() if "difference" in row]
         if not t["ranked"]:
             lines += ["", f"No verdict on {task}: the reference ({name(ref)}) is not informative on dev, so this task "
@@ -179,9 +198,10 @@ def finetune_markdown(comparison, names=None, settings="setting"):
         elif found:
             least, most = points(min(found)), points(max(found))
             size = least if least == most else f"{least} to {most}"
-            lines += ["", f"A true difference of {size} points or more would be "
-                          f"found 80% of the time (power, from the same variance components as each interval); "
-                          f"smaller ones may go unseen." + pretraining_note(t)]
+            lines += ["", f"A true difference of {size} points or more would be found 80% of the time if the variance "
+                          f"were as estimated (power, from the same variance components as each interval); the "
+                          f"range beside each is the same at the 95% confidence bounds of its runs' variance. "
+                          + pooled_note(t, name) + pretraining_note(t)]
         lines.append("")
     for task, files in comparison.get("left_out", {}).items():
         lines.append(f"Left out: {task}, which {', '.join(files)} lack(s).")
@@ -198,6 +218,25 @@ def budgets_text(mixed, name):
     return "; ".join(f"{name(arm)}: {' | '.join(dict.fromkeys(map(words, runs)))}" for arm, runs in mixed.items())
 
 
+def p_values(d):
+    """A difference's p value, and its Holm-adjusted p over its family where one was read."""
+    f = d.get("family")
+    return f"{d['p']:.2g}" + (f"; {f['p']:.2g} of {f['size']}" if f else "")
+
+
+def pooled_note(t, name):
+    """Which arms' variance the intervals share, and on how many degrees of freedom."""
+    pool = t.get("pooled") or []
+    if not pool:
+        return "Each interval rests on its own difference's variance components."
+    c = t["arms"][pool[0]]["difference"]["components"]
+    level = "replicate" if c["replicates"] > 1 else "seed"
+    return (f"The intervals of {', '.join(name(a) for a in pool)} share one variance (the arms x {level}s "
+            f"interaction, {c['top_df']} degrees of freedom, as a mixed model reads the table; each difference's own "
+            f"is in report.json, its detectable difference beside the pooled one); an arm not informative on dev "
+            f"keeps its own.")
+
+
 NER_WORDS = {"default": "default mode (an I- tag that continues nothing starts an entity)",
              "strict": "strict IOB2 mode (an I- tag that continues nothing is dropped)"}
 
@@ -208,15 +247,18 @@ def pretraining_note(t):
 
 
 INTERVAL_LEGEND = (
-    "How to read it: a run is one fine-tuning seed of one pretraining run; the setting is each arm's own, the one "
-    "with the best mean dev score where there were several, and only its test score is used. Intervals are 95%: "
-    "the variance of the replicates' means (the seeds' spread is inside it) plus a bootstrap of the test examples "
-    "(2,000 draws, the metric recomputed from the predictions), with a t quantile on Satterthwaite's degrees of "
-    "freedom; differences pair replicate r, seed s and every test example across arms. \"better\" or \"worse\" "
-    "only when the interval excludes 0. Detectable: the smallest true difference this design finds with 80% power "
-    "(a two-sided 95% t test on the same standard error and degrees of freedom); the half-width of an interval is "
-    "found only half the time. An arm is " + INFORMATIVE_RULE + "; a task whose reference is not informative gets "
-    "no verdict for any arm.")
+    "How to read it: a run is one fine-tuning seed of one pretraining run; where there were several settings, each "
+    "run's test score is read at the one with the best mean dev score over the arm's other replicates (never its own "
+    "dev score), and within a run at the checkpoint with its best dev score. Intervals are 95%: the variance of the "
+    "replicates' means (the seeds' spread is inside it), pooled over the arms that learned, plus a bootstrap of the "
+    "test examples (2,000 draws, the metric recomputed from the predictions), with a t quantile on Satterthwaite's "
+    "degrees of freedom; differences pair replicate r, seed s and every test example across arms. \"better\" or "
+    "\"worse\" only when the interval excludes 0; p: the same t test's two-sided p value, and where the comparison "
+    "belongs to a family (a study's fine-tuning comparisons) its Holm-adjusted p, which a verdict sentence reads. "
+    "Detectable: the smallest true difference this design finds with 80% power (a two-sided 95% t test on the same "
+    "standard error and degrees of freedom), if the variance is what was estimated, and in brackets the same at the "
+    "95% confidence bounds of the runs' variance; the half-width of an interval is found only half the time. An arm "
+    "is " + INFORMATIVE_RULE + "; a task whose reference is not informative gets no verdict for any arm.")
 
 
 # -----------------------------------------------------------------------------
@@ -323,45 +365,81 @@ def study_markdown(rep, spec):
 
 
 def summary(rep, spec):
-    """The verdicts in one list: per comparison and model, its loss differences and fine-tuning differences."""
+    """The verdicts in one list: per comparison and model, its loss differences and fine-tuning differences, a
+    fine-tuning difference worded by its family's reading (Holm over the study's fine-tuning comparisons)."""
     names, R = spec["names"], rep["replicates"]
     lines = ["## The verdicts", "", f"Each difference is a model minus its reference with a 95% interval over {R} "
              f"pretraining run(s) per arm (fine-tuning: also over seeds and test examples); \"better\", \"worse\", "
-             f"\"lower\" or \"higher\" only where the interval excludes 0. Losses in nats per token, scores x100.", ""]
+             f"\"lower\" or \"higher\" only where the interval excludes 0, and for fine-tuning only where it does "
+             f"over its family too (Holm over the study's fine-tuning comparisons). Losses in nats per token, scores "
+             f"x100.", ""]
     for title, table in rep["losses"].items():
         ref = next(m for m, row in table.items() if "difference" not in row["val_mlm"])
         for m, row in table.items():
             if m == ref:
                 continue
-            parts = [f"validation {what} loss {d['mean']:+.3f} {span(d['low'], d['high'], '+.3f')} ({d['verdict']})"
+            parts = [f"validation {what} loss {d['mean']:+.3f} {span(d['low'], d['high'], '+.3f')} ({d['verdict']}"
+                     + ("; differs by construction" if d.get("by_construction") else "") + ")"
                      for what, d in (("MLM", row["val_mlm"]["difference"]), ("CLM", row["val_clm"]["difference"]))]
             for task, t in rep["finetune"].get(title, {}).get("tasks", {}).items():
                 d = t["arms"][m]["difference"]
-                power = "" if d["verdict"].startswith("no verdict") else f"; detectable from {detected(d)}"
+                words = d["verdict"] if d["verdict"].startswith("no verdict") else (
+                    family_words(d) + f"; detectable from {detected(d)}")
                 parts.append(f"{task} {t['metric']} {100 * d['mean']:+.1f} {span(d['low'], d['high'], '+.1f', 100)} "
-                             f"({d['verdict']}{power})")
+                             f"({words})")
             lines.append(f"- **{names.get(m, m)}** against {names.get(ref, ref)}: " + "; ".join(parts) + ".")
-    chance = chance_line(rep)
-    return lines + ["", chance, ""]
+    return lines + [""] + chance_lines(rep) + [""]
 
 
-def chance_line(rep):
-    """How many of the report's compared intervals exclude 0, against what chance alone gives."""
-    every = [d for table in rep["losses"].values() for row in table.values()
-             for d in (row["val_mlm"].get("difference"), row["val_clm"].get("difference")) if d]
-    every += [d for c in rep["finetune"].values() for d in compared(c)]
-    c = by_chance(len(every), sum(not d["verdict"].startswith("no detectable") for d in every))
-    line = (f"Each interval is 95% on its own. Of the {c['compared']} differences compared above, {c['excluded']} "
-            f"exclude 0; if no method differed from its reference, about {c['expected']:.1f} would by chance")
-    if c["excluded"]:
-        line += (f", and {c['excluded']} or more with probability {c['p_as_many']:.2g} (binomial, as if the "
-                 f"intervals were independent: they are not quite, since arms share their reference)")
-    return line + "."
+def family_words(d):
+    """A fine-tuning difference's verdict over its family, and its own where they differ."""
+    f = d.get("family")
+    if not f:
+        return d["verdict"]
+    alone = "" if f["verdict"] == d["verdict"] or d["verdict"].startswith("no detectable") else (
+        f": {d['verdict']} alone, p = {d['p']:.2g}")
+    return f"{f['verdict']}{alone}; Holm p = {f['p']:.2g} over {f['size']}"
+
+
+def chance_lines(rep):
+    """Per family, how many of its intervals exclude 0, against what chance alone gives; loss differences between
+    models trained on different objectives differ by construction and are counted in no family."""
+    losses = [d for table in rep["losses"].values() for row in table.values()
+              for d in (row["val_mlm"].get("difference"), row["val_clm"].get("difference")) if d]
+    families = [("fine-tuning", [d for c in rep["finetune"].values() for d in compared(c)]),
+                ("validation losses of models trained on the same objectives",
+                 [d for d in losses if not d.get("by_construction")])]
+    lines = []
+    for what, every in families:
+        if not every:
+            continue
+        c = by_chance(len(every), sum(not d["verdict"].startswith("no detectable") for d in every))
+        line = (f"**{what.capitalize()}**: of the {c['compared']} differences compared above, {c['excluded']} "
+                f"exclude 0 on their own; if no method differed from its reference, about {c['expected']:.1f} would "
+                f"by chance")
+        if c["excluded"]:
+            line += (f", and {c['excluded']} or more with probability {c['p_as_many']:.2g} (binomial, as if the "
+                     f"intervals were independent: they are not quite, since arms share their reference)")
+        if all("family" in d for d in every):
+            held = sum(d["family"]["verdict"] != "no family-wise difference" for d in every)
+            line += f"; {held} of them family-wise (Holm over the {c['compared']})"
+        lines.append(line + ".")
+    apart = len(losses) - len(families[1][1])
+    if apart:
+        lines.append(f"The {apart} validation-loss differences between models trained on different objectives differ "
+                     f"by construction and are in no count of what chance gives.")
+    return lines
 
 
 def detected(d):
-    """The detectable difference of a fine-tuning difference in points; past 100 the scale cannot hold it."""
-    return "more than the scale allows (over 100 points)" if d["detectable"] > 1 else points(d["detectable"])
+    """The detectable difference of a fine-tuning difference in points, with its range; past 100 the scale cannot
+    hold it."""
+    def one(x):
+        return "over 100" if x > 1 else points(x)
+    if d["detectable"] > 1:
+        return "more than the scale allows (over 100 points)"
+    low, high = d.get("detectable_low"), d.get("detectable_high")
+    return points(d["detectable"]) + ("" if low is None else f" [{one(low)}, {one(high)}]")
 
 
 def loss_tables(rep, spec):

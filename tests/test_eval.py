@@ -151,17 +151,18 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
     for i, row in enumerate(controls):
         assert row == pytest.approx(one(A[i], C[i], f"c{i}.json"), abs=1e-12)
     pairs = 1 - np.array([s["pairs"] for s in r["per_seed"].values()])  # (draws, replicates, layers)
-    for layer in r["layers"]:
-        expected = ev.band(each[:, layer], controls[:, layer], pairs.mean(1)[:, layer].std(ddof=1), 2)
+    for layer in r["layers"]:  # the band's draw term: how the pair's mean log divergence moves between draws
+        expected = ev.band(each[:, layer], controls[:, layer], np.log(pairs).mean(1)[:, layer].std(ddof=1), 2)
         assert r["band"]["bound"][layer] == pytest.approx(expected["bound"])
         assert r["band"]["outside"][layer] == expected["outside"]
-        mean, low, high = ev.t_interval(each[:, layer] / controls[:, layer].mean())
+        mean, low, high = ev.t_interval(each[:, layer] / controls[:, layer])  # each replicate over its own control
         assert (r["ratio"]["mean"][layer], r["ratio"]["low"][layer]) == pytest.approx((mean, low))
         assert (r["divergence_low"][layer], r["divergence_high"][layer]) == pytest.approx(
             ev.t_interval(each[:, layer])[1:])
-    ratios = each / controls.mean(0)
-    slopes = [np.polyfit(np.arange(4), row, 1)[0] for row in ratios]
-    assert r["trend"]["each"] == pytest.approx(slopes) and r["trend"]["slope"] == pytest.approx(np.mean(slopes))
+    for key, rows in (("ratio", each / controls), ("raw", each)):
+        slopes = [np.polyfit(np.arange(4), row, 1)[0] for row in rows]
+        assert r["trend"][key]["each"] == pytest.approx(slopes)
+        assert r["trend"][key]["slope"] == pytest.approx(np.mean(slopes))
     alone = ev.cka(",".join(map(str, A)), B, texts, out=tmp_path / "alone.json", **kw)
     assert alone["args"]["control_pairs"] == [[str(A[0]), str(A[1])]] and alone["band"]["bound"] == [None] * 4
     assert ev.control_pairs(3, 5) == [(0, 6), (1, 7), (2, 8), (9, 10)] and ev.control_pairs(4, 1) == [(0, 8), (1, 2)]
@@ -169,13 +170,23 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
         ev.cka(A, B[:2], texts, out=tmp_path / "x.json", **kw)
 
 
-def test_trend_reads_the_slope_of_the_ratio_with_depth():
+def test_trend_reads_depth_only_where_the_ratio_against_own_controls_and_the_raw_divergence_agree():
+    """Each replicate's ratio is over its own control, so a control's noise is in its slope; the raw divergence's
+    slope is read beside it. Controls that rise with depth make the ratio fall while the raw divergence does not:
+    no reading. Both falling: "falls with depth"."""
     falling = np.array([[6.0, 5.0, 4.1, 3.0], [5.8, 5.1, 3.9, 3.2], [6.1, 4.9, 4.0, 2.9]])
-    t = ev.trend(falling)
-    assert t["slope"] == pytest.approx(np.mean([np.polyfit(range(4), r, 1)[0] for r in falling]))
-    assert t["high"] < 0 and t["verdict"] == "falls with depth"
-    assert ev.trend(falling[:, ::-1])["verdict"] == "rises with depth"
-    assert ev.trend(np.array([[1.0, 2.0, 1.0], [2.0, 1.0, 2.0]]))["verdict"] == "no detectable trend"
+    flat_controls = np.ones((3, 4))
+    t = ev.trend(falling, flat_controls)
+    assert t["ratio"]["slope"] == pytest.approx(np.mean([np.polyfit(range(4), r, 1)[0] for r in falling]))
+    assert t["ratio"]["high"] < 0 and t["raw"]["verdict"] == "falls with depth" and t["verdict"] == "falls with depth"
+    assert ev.trend(falling[:, ::-1], flat_controls)["verdict"] == "rises with depth"
+    flat = np.array([[1.0, 1.01, 0.99, 1.0], [1.02, 1.0, 1.0, 0.99], [0.99, 1.0, 1.01, 1.02]])
+    rising_controls = np.array([[1.0, 2.0, 3.0, 4.0], [1.1, 1.9, 3.2, 3.9], [0.9, 2.1, 2.9, 4.2]])
+    t = ev.trend(flat, rising_controls)
+    assert t["ratio"]["verdict"] == "falls with depth" and t["raw"]["verdict"] == "no detectable trend"
+    assert t["verdict"].startswith("no reading")
+    two = np.array([[1.0, 2.0, 1.0], [2.0, 1.0, 2.0]])
+    assert ev.trend(two, np.ones((2, 3)))["verdict"] == "no detectable trend"
 
 
 def test_cka_checks_its_input(byte_models, texts, tmp_path):
@@ -216,11 +227,13 @@ def test_cka_markdown_and_figure_state_one_band_rule(tmp_path, monkeypatch):
     spread = [ev.t_interval(each[:, i]) for i in range(4)]
     r["divergence_low"], r["divergence_high"] = [s[1] for s in spread], [s[2] for s in spread]
     bands = [ev.band(each[:, i], controls[:, i], 0.001, 3) for i in range(4)]
-    ratios = [ev.t_interval(each[:, i] / b["mean"]) for i, b in enumerate(bands)]
+    ratios = [ev.t_interval(each[:, i] / controls[:2, i]) for i in range(4)]
     r["controls"] = {"divergence": controls.tolist(), "k": 3, "mean": [b["mean"] for b in bands],
                      "sd": [b["sd"] for b in bands]}
-    r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands], "rule": ev.BAND_RULE}
+    r["band"] = {"bound": [b["bound"] for b in bands], "outside": [b["outside"] for b in bands], "rule": ev.BAND_RULE,
+                 "level": [b["level"] for b in bands]}
     r["ratio"] = {k: [x[i] for x in ratios] for i, k in enumerate(("mean", "low", "high"))}
+    r["ratio"]["replicates"] = 2
     assert r["band"]["outside"] == [False, True, True, False]
     text = report.cka_markdown(r)
     rows = [line for line in text.splitlines() if re.match(r"\| \d", line)]
@@ -236,7 +249,7 @@ def test_cka_markdown_and_figure_state_one_band_rule(tmp_path, monkeypatch):
     assert len(stars) == 1 and list(stars[0].get_xdata()) == [1, 2]
     assert "outside the band (2 of 4 layers)" in [t.get_text() for t in left.get_legend().get_texts()]
     assert left.get_ylabel() == "1 - linear CKA" and "ratio" in right.get_title()
-    assert any("at most 5%" in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
+    assert any("measured error rate" in t.get_text() and "1 - CKA: 0 =" in t.get_text() for t in fig.texts)
 
 
 @pytest.mark.slow  # two processes that import torch; test_cka_command checks the function this command runs
@@ -647,12 +660,12 @@ def test_mlm_refuses_more_windows_than_val_bin_holds(byte_models, texts, tmp_pat
 
 def test_a_bounded_quantity_keeps_its_interval_and_axis_in_its_range(tmp_path, monkeypatch):
     """1 - CKA lies in [0, 1]: with 2 replicates far apart, t's interval of their mean (here about [-4, 4.7]) is
-    clipped to [0, 1], the ratio's at 0, and the band's bound (here 1.6 from controls far apart) at 1; the table
+    clipped to [0, 1], the ratio's at 0, and the band's bound (here above 7 from controls far apart) at 1; the table
     and the figure say so, and the figure's axis holds no more than its data (never up to 4)."""
     pytest.importorskip("matplotlib")
     from machinery import report
     from matplotlib.figure import Figure
-    cka = {"pairs": [[0.99, 0.20], [0.30, 0.95]], "controls": [[0.90, 0.20], [0.10, 0.95], [0.50, 0.50]]}
+    cka = {"pairs": [[0.99, 0.20], [0.30, 0.95]], "controls": [[0.90, 0.60], [0.10, 0.95], [0.50, 0.50]]}
     r = ev.cka_summary({42: cka, 43: cka})
     assert ev.t_interval([0.01, 0.70])[1] < -3 and ev.t_interval([0.80, 0.05])[2] > 4  # what t gives unclipped
     assert (r["divergence_low"], r["divergence_high"]) == ([0.0, 0.0], [1.0, 1.0])

@@ -3,6 +3,7 @@ resumed; another command refused on a finished experiment; one-line errors; the 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -286,10 +287,16 @@ def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendi
     report = json.loads((out / "report.json").read_text())
     encoders = ["mlm", "clm25-mlm", "clm50-mlm", "clm", "cpt-from-mlm", "cpt-from-clm"]
     assert [m for c in report["finetune"].values() for m in next(iter(c["tasks"].values()))["arms"]] == encoders
+    import numpy as np
+    from machinery.compare import choose_apart
     for comparison in report["finetune"].values():
-        for t in comparison["tasks"].values():
-            for row in t["arms"].values():  # the chosen lr is the one with the best mean dev score
-                assert row["setting"] == max(row["dev"], key=row["dev"].get) and row["runs"] == 4
+        for task, t in comparison["tasks"].items():
+            for arm, row in t["arms"].items():  # each replicate's lr: the best mean dev score of the other's runs
+                dev = {lr: np.array([[s["dev"][t["metric"]] for s in json.loads(
+                    (out / "finetune" / f"{arm}-r{r}-lr{lr}.json").read_text())["tasks"][task]["seeds"].values()]
+                    for r in (1, 2)]) for lr in row["dev"]}
+                assert row["chosen"] == choose_apart(dev) and row["runs"] == 4
+                assert row["setting"] == ", ".join(dict.fromkeys(x for each in row["chosen"] for x in each))
     assert list(report["per_setting"]) == encoders
     assert all(list(by_lr) == ["0.001", "0.003"] for tasks in report["per_setting"].values() for by_lr in tasks.values())
     assert set(report["losses"]) == {"from scratch at one budget B", "continued pretraining, E more tokens of MLM",
@@ -302,7 +309,7 @@ def test_biphasic_report_chooses_each_lr_on_dev_and_keeps_every_lr_in_an_appendi
     text = (out / "report.md").read_text()
     assert text.startswith("# CLM then MLM against MLM alone, from scratch at one budget, scale `smoke`")
     assert "test the pipeline only" in text and "B = 16,384 (16 steps)" in text
-    assert text.count("| arm | fine-tuning lr (chosen on dev) |") == 6  # two comparisons, three tasks each
+    assert text.count("| arm | fine-tuning lr (chosen on the other replicates' dev) |") == 6  # 2 comparisons x 3 tasks
     assert "## Appendix: every fine-tuning learning rate" in text and "Not used for any comparison" in text
     assert "## The verdicts" in text and "Wall time:" in text and "Summed stage time:" in text
     assert (out / "report.png").stat().st_size > 10_000
@@ -419,6 +426,7 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={read_only(tmp_path)}/exp", "--dry_run"], "cannot write there"),
         (["--scale=smoke", out, "--epochs=3"], "unrecognized arguments: --epochs=3"),
         (["--sclae=smoke", out], "unrecognized arguments: --sclae=smoke; did you mean --scale?"),  # not "required"
+        (["--scal=smoke", out], "unrecognized arguments: --scal=smoke; did you mean --scale?"),  # never a prefix
         (["--scale=smoke"], "the following arguments are required: --out"),
     ]
     line, stdout = refused(*cases[0][0])  # as a process: one line on stderr, exit status 2
@@ -552,33 +560,59 @@ def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
 
 
 def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
-    """From a report's variance components: per task, the difference the plan detects with 80% power; with
-    --detect, the replicates, seeds or test examples that would reach it (checked against machinery/compare.py's
-    own projection). Bad input is one line: --detect of 0 or below, a report without components."""
+    """From a report's runs: per task, the variance components pooled over its arms (machinery/compare.py's
+    `components`), the difference the plan detects with 80% power with its range over their uncertainty; with
+    --detect, the replicates (at the paper's scale with their GPU-hours), seeds or test examples that would reach
+    each difference, at the estimate and at both bounds. A report written before reports kept each run's differences: each difference's
+    own components, averaged, said so; a replicate part below 0, said so. Bad input is one line: --detect of 0 or
+    below, a report without components."""
     need(CORPUS)
     sys.path.insert(0, str(ROOT))
-    from machinery.compare import needed, project
-    components = dict(replicates=3, seeds=2, examples=940, replicate_var=2e-4, seed_var=4e-4, example_var=0.05,
-                      seeds_inside=False)
-    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
-        "mlm": {}, "clm": {"difference": {"components": components}}}}}}}}
+    import numpy as np
+    from machinery.compare import components, needed, project
+    from reproduce import averaged
+    rng = np.random.default_rng(0)
+    runs = {arm: rng.normal(0, 0.02, (3, 2)) for arm in ("clm", "x")}
+    measured = {arm: dict(runs=r.tolist(), examples=940, example_var=0.05, example_run_var=0.03)
+                for arm, r in runs.items()}
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"pooled": ["clm", "x"], "arms": {
+        "mlm": {}, **{arm: {"difference": {"measured": m, "components": {}}} for arm, m in measured.items()}}}}}}}
     source = tmp_path / "report.json"
     source.write_text(json.dumps(rep))
     out = tmp_path / "exp"
     status, text, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", f"--components={source}",
-                                   "--detect=3")
+                                   "--detect=3,2")
+    assert status == 0, err
+    c = components([[{**m, "runs": runs[arm]} for arm, m in measured.items()]])
+    at = {reading: 100 * project(c, 3, 2, 940, reading)["detectable"] for reading in ("point", "low", "high")}
+    ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
+    assert f"detects {at['point']:.1f} points with 80% power [{at['low']:.1f}, {at['high']:.1f}]" in ncbi
+    assert "940 test" in ncbi and "pooled over 2 differences" in ncbi and "4 degrees of freedom" in ncbi
+    for target in (3, 2):
+        ways = next(line for line in text.splitlines() if line.startswith(f"    to detect {target} points"))
+        need_ = {r: needed(c, target / 100, 3, 2, 940, 940, reading=r) for r in ("point", "low", "high")}
+        assert ways.startswith(f"    to detect {target} points, one change at a time: {need_['point']['replicates']} "
+                               f"replicates [{need_['low']['replicates']}, ") and "GPU-hours" not in ways  # cpu
+    assert "chemprot: the source report holds no comparison" in text and "BORROWED" not in text
+    assert not out.exists()
+    older = dict(replicates=3, seeds=2, examples=940, replicate_var=-2e-4, seed_var=8e-4, example_var=0.05,
+                 seeds_inside=False)  # a report of the version before: each difference's own components
+    rep = {"scale": "cpu", "finetune": {"t": {"tasks": {"ncbi_disease": {"arms": {
+        "mlm": {}, "clm": {"difference": {"components": older}}}}}}}}
+    source.write_text(json.dumps(rep))
+    status, text, err = in_process(capsys, "--scale=paper", f"--out={out}", "--dry_run", "--gpus=4",
+                                   f"--components={source}", "--detect=2.8")
     assert status == 0, err
     ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
-    assert f"detects {100 * project(components, 3, 2, 940)['detectable']:.1f} points" in ncbi and "940 test" in ncbi
-    need_ = needed(components, 0.03, 3, 2, 940, 940)
-    ways = next(line for line in text.splitlines() if line.startswith("    to detect 3 points"))
-    assert need_["replicates"] and f"{need_['replicates']} replicates" in ways
-    assert "chemprot: the source report holds no comparison" in text
-    assert not out.exists()
+    assert f"detects {100 * project(averaged([older]), 3, 5, 940)['detectable']:.1f} points" in ncbi
+    assert "BORROWED from the cpu scale" in text and "each difference's own components, averaged" in text
+    ways = next(line for line in text.splitlines() if line.startswith("    to detect 2.8 points"))
+    assert "replicates (~" in ways and "H100 GPU-hours of training" in ways  # the paper's scale: what they cost
+    assert "replicate variance's estimate is below 0" in text
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"scale": "cpu", "finetune": {}}))
     for args, message in (([f"--components={source}", "--detect=0"], "--detect: expected a finite number above 0"),
-                          ([f"--components={source}", "--detect=-1"], "expected a finite number above 0, got '-1'"),
+                          ([f"--components={source}", "--detect=2,-1"], "expected a finite number above 0, got '-1'"),
                           ([f"--components={bare}"], "no variance components in it"),
                           ([f"--components={tmp_path / 'none.json'}"], "none.json: not found")):
         status, _, err = in_process(capsys, "--scale=cpu", f"--out={out}", "--dry_run", *args)
@@ -720,3 +754,24 @@ def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
     assert line.get_drawstyle() == "steps-pre"
     assert list(zip(line.get_xdata(), line.get_ydata())) == [(0, 5e-4), (1024, 5e-4), (2048, 1e-3), (3072, 1e-3),
                                                              (4096, 1e-3)]
+
+
+def test_docs_state_the_sums_the_dry_run_prints(capsys):
+    """docs/reproducing.md's plans for the papers' effects and for the biphasic study's 3 points are what the dry
+    runs print: every number of those sentences is in the dry run's output (or is the paper's, or the design's)."""
+    need(CORPUS)
+    text = (ROOT / "docs" / "reproducing.md").read_text()
+    plans = [("What the papers' effects would need.", ["--scale=paper", "--gpus=4", "--detect=2.8,2,1,0.3"]),
+             ("**Where the power went.**", ["--study=biphasic", "--scale=cpu", "--detect=3"])]
+    for start, args in plans:
+        paragraph = text[text.index(start):].split("\n\n")[0]
+        status, out, err = in_process(capsys, *args, f"--out={ROOT / 'out' / 'never-made'}", "--dry_run")
+        assert status == 0, err
+        number = r"(?<![\w.,-])\d{1,3}(?:,\d{3})*(?:\.\d+)?(?!\w|,\d)"
+        printed, stated = set(re.findall(number, out)), re.findall(number, paragraph.replace("`", " "))
+        design = {"0.3", "0.8", "2.7", "61.6", "58.9", "2.8", "2", "1", "3", "5", "4", "200", "4.5", "29.0", "6.4",
+                  "20.9", "5.3", "8.1", "2.5", "3.1"}
+        assert not [x for x in stated if x not in printed and x not in design], paragraph
+        if "--scale=paper" in args:  # the detour's total, as the section before states it
+            assert "the trainings: ~200 H100 GPU-hours" in out
+            assert "about 200 GPU-hours (its seed controls included)" in text
