@@ -495,6 +495,13 @@ for key, value, expected in [("replicates", 0, "an integer >= 1, got int 0"),
                              ("seeds_inside", "no", "true or false, got str 'no'")]:
     fine = report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"]["components"]
     BAD_COMPONENTS.append((report_with({**fine, key: value}), f"{C}.{key}: expected {expected}"))
+M = "finetune['t'].tasks['ncbi_disease'].arms['clm'].difference.measured"  # each run's difference, pooled
+GOOD_MEASURED = dict(runs=[[0.01, 0.02], [0.0, 0.03]], examples=940, example_var=0.05, example_run_var=0.01)
+BAD_COMPONENTS += [(report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm/difference/measured": m}), f"{M}.{e}")
+                   for m, e in [({**GOOD_MEASURED, "runs": [[0.01, 0.02], [0.0]]}, "runs: expected a table"),
+                                ({**GOOD_MEASURED, "runs": "x"}, "runs: expected a table"),
+                                ({**GOOD_MEASURED, "examples": 0}, "examples: expected an integer >= 1"),
+                                ({**GOOD_MEASURED, "example_var": None}, "example_var: expected a finite number")]]
 
 
 @pytest.mark.parametrize("report, expected", BAD_COMPONENTS, ids=[e[:50] for _, e in BAD_COMPONENTS])
