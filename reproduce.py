@@ -885,8 +885,9 @@ def dry_run(a, s, out, plan_of, missing):
         plan = plan_of(s, out, argparse.Namespace(**{**vars(a), "replicates": replicates}))
         other = sum(costs(a, s, plan, seeds)[1].values())
         more = other - sum(hours.values())
-        return f" (~{amount(other)} {unit} in all, {amount(more)} more)" if more > 0 else \
-            f" (this plan's ~{amount(other)} {unit})"
+        if abs(more) < 1e-9:
+            return f" (this plan's ~{amount(other)} {unit})"
+        return f" (~{amount(other)} {unit} in all, {amount(abs(more))} {'more' if more > 0 else 'fewer'})"
     power_plan(a, s, price)
     if unit:
         print(f"{'the trainings' if a.scale == 'paper' else 'the stages'}: ~{amount(sum(hours.values()))} {unit} in "

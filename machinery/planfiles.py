@@ -83,11 +83,14 @@ def read_components(path):
                     difference = row.get("difference") if isinstance(row, dict) else None
                     if not isinstance(row, dict) or not (difference is None or isinstance(difference, dict)):
                         raise Bad(at, f"expected an object whose difference is an object, got {shown(row)}")
-                    if difference and difference.get("components") is not None:
+                    if not difference:
+                        continue  # the reference, or an arm with no difference
+                    if difference.get("measured") is not None:  # each run's difference: pooled below
+                        differences[arm] = measured(difference["measured"], f"{at}.difference.measured")
+                    elif difference.get("components") is not None:  # a report before reports kept them
                         own.append(components(difference["components"], f"{at}.difference.components"))
-                        differences[arm] = measured(difference.get("measured"), f"{at}.difference.measured")
                 pool = [arm for arm in t.get("pooled") or [] if arm in differences] or list(differences)
-                if pool and all(differences[arm] is not None for arm in pool):
+                if pool:
                     groups.setdefault(task, []).append([differences[arm] for arm in pool])
                 elif own:
                     older.setdefault(task, []).extend(own)
@@ -103,10 +106,7 @@ def read_components(path):
 
 
 def measured(m, field):
-    """A difference's runs and examples (compare.measured, as a report keeps them), checked; None where a report
-    written before reports kept them has none."""
-    if m is None:
-        return None
+    """A difference's runs and examples (compare.measured, as a report keeps them), checked."""
     runs = m.get("runs") if isinstance(m, dict) else None
     if not (isinstance(runs, list) and runs and all(isinstance(r, list) and len(r) == len(runs[0]) and r
                                                     and all(is_real(x) for x in r) for r in runs)):

@@ -418,7 +418,7 @@ def test_bad_flags_are_one_line_each(tmp_path, capsys):
         (["--scale=smoke", f"--out={tmp_path / 'badplan'}"], "not valid JSON"),
         (["--scale=smoke", "--scale=cpu", out], "--scale is given twice"),
         # a flag the other mode reads alone is refused, never ignored; a dry run meets what the run would
-        (["--scale=smoke", out, "--detect=2"], "--detect=2.0 is read by --dry_run alone (the difference the plan"),
+        (["--scale=smoke", out, "--detect=2"], "--detect=2.0 is read by --dry_run alone (the differences the plan"),
         (["--scale=smoke", out, f"--components={tmp_path / 'file'}"], "--components="),
         (["--scale=smoke", out, "--jobs=2", "--dry_run"], "--jobs=2 is read by a run alone (stages run side by side)"),
         (["--scale=smoke", f"--out={tmp_path / 'file' / 'exp'}", "--dry_run"], "cannot write there"),
@@ -495,6 +495,13 @@ for key, value, expected in [("replicates", 0, "an integer >= 1, got int 0"),
                              ("seeds_inside", "no", "true or false, got str 'no'")]:
     fine = report_with()["finetune"]["t"]["tasks"]["ncbi_disease"]["arms"]["clm"]["difference"]["components"]
     BAD_COMPONENTS.append((report_with({**fine, key: value}), f"{C}.{key}: expected {expected}"))
+M = "finetune['t'].tasks['ncbi_disease'].arms['clm'].difference.measured"  # each run's difference, pooled
+GOOD_MEASURED = dict(runs=[[0.01, 0.02], [0.0, 0.03]], examples=940, example_var=0.05, example_run_var=0.01)
+BAD_COMPONENTS += [(report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm/difference/measured": m}), f"{M}.{e}")
+                   for m, e in [({**GOOD_MEASURED, "runs": [[0.01, 0.02], [0.0]]}, "runs: expected a table"),
+                                ({**GOOD_MEASURED, "runs": "x"}, "runs: expected a table"),
+                                ({**GOOD_MEASURED, "examples": 0}, "examples: expected an integer >= 1"),
+                                ({**GOOD_MEASURED, "example_var": None}, "example_var: expected a finite number")]]
 
 
 @pytest.mark.parametrize("report, expected", BAD_COMPONENTS, ids=[e[:50] for _, e in BAD_COMPONENTS])
@@ -570,7 +577,7 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     sys.path.insert(0, str(ROOT))
     import numpy as np
     from machinery.compare import components, needed, project
-    from reproduce import averaged
+    from machinery.planfiles import averaged
     rng = np.random.default_rng(0)
     runs = {arm: rng.normal(0, 0.02, (3, 2)) for arm in ("clm", "x")}
     measured = {arm: dict(runs=r.tolist(), examples=940, example_var=0.05, example_run_var=0.03)
@@ -591,8 +598,9 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     for target in (3, 2):
         ways = next(line for line in text.splitlines() if line.startswith(f"    to detect {target} points"))
         need_ = {r: needed(c, target / 100, 3, 2, 940, 940, reading=r) for r in ("point", "low", "high")}
-        assert ways.startswith(f"    to detect {target} points, one change at a time: {need_['point']['replicates']} "
-                               f"replicates [{need_['low']['replicates']}, ") and "GPU-hours" not in ways  # cpu
+        assert re.match(rf"    to detect {target} points, one change at a time: {need_['point']['replicates']} "
+                        rf"replicates \(~[\d.]+ CPU hours in all, [\d.]+ (more|fewer)\) "
+                        rf"\[{need_['low']['replicates']}, ", ways) and "GPU-hours" not in ways  # cpu: CPU hours
     assert "chemprot: the source report holds no comparison" in text and "BORROWED" not in text
     assert not out.exists()
     older = dict(replicates=3, seeds=2, examples=940, replicate_var=-2e-4, seed_var=8e-4, example_var=0.05,
@@ -607,7 +615,7 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     assert f"detects {100 * project(averaged([older]), 3, 5, 940)['detectable']:.1f} points" in ncbi
     assert "BORROWED from the cpu scale" in text and "each difference's own components, averaged" in text
     ways = next(line for line in text.splitlines() if line.startswith("    to detect 2.8 points"))
-    assert "replicates (~" in ways and "H100 GPU-hours of training" in ways  # the paper's scale: what they cost
+    assert re.search(r"\d+ replicates \((this plan's )?~[\d,.]+ H100 GPU-hours", ways), ways  # paper: GPU-hours
     assert "replicate variance's estimate is below 0" in text
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"scale": "cpu", "finetune": {}}))
