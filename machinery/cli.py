@@ -38,14 +38,22 @@ class Stop(KeyboardInterrupt):
 def stop_on_sigterm():
     """Inside the block SIGTERM stops the work as Ctrl-C does (a Stop raised where the main thread is), so that
     the `with` and `finally` blocks it is in clean up: a pool's workers ended, a temporary folder removed, a lock
-    released. The previous handler comes back after."""
+    released. The previous handlers come back after. A process forked inside the block (a pool's worker, before it
+    sets its own handlers) that gets SIGTERM or Ctrl-C's SIGINT ends there and then: a Stop raised in it would
+    unwind the parent's copied stack and run on as a second copy of the parent (seen: a test process's copy that
+    waited forever for tests, and its pool with it)."""
+    owner = os.getpid()
+
     def stop(signum, frame):
+        if os.getpid() != owner:
+            os._exit(128 + signum)
         raise Stop(signum=signum)
-    old = signal.signal(signal.SIGTERM, stop)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}  # Ctrl-C: Stop is one too
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run(main, argv=None):

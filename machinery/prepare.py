@@ -519,7 +519,7 @@ class Workers:
             return
         if kind is not None:  # a failure or Ctrl-C here: the pieces the workers hold are of no use
             for process in list((self.pool._processes or {}).values()):  # shutdown() would wait for them
-                process.terminate()
+                process.kill()  # SIGKILL: a worker just forked has no handler of its own yet for a gentler signal
         self.pool.shutdown(wait=True, cancel_futures=True)
         if kind is not None and issubclass(kind, BrokenProcessPool):
             raise InputError(f"a worker process of data.py prepare died ({error}); if the system ran out of "

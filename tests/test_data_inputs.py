@@ -5,8 +5,10 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -663,3 +665,21 @@ def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
         result = subprocess.run([sys.executable, str(ROOT / "data.py"), *argv], capture_output=True, text=True,
                                 env=env, cwd=tmp_path)
         assert (result.returncode, result.stderr.strip()) == (status, said)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_process_forked_during_prepare_ends_at_a_signal(sig):
+    """prepare's pool forks its workers inside cli.stop_on_sigterm; a worker that gets a signal before it sets its
+    own handlers (the pool's cleanup, Ctrl-C to the process group) must end there, with 128 + the signal: a Stop
+    raised in it would unwind the parent's copied stack and run on as a second copy of the parent."""
+    from machinery import cli
+    with cli.stop_on_sigterm():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.kill(os.getpid(), sig)  # the handler runs at the next instruction
+                time.sleep(5)
+            finally:
+                os._exit(1)  # reached only where the handler let the copy run on
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 128 + sig
