@@ -349,7 +349,7 @@ class Setting:
     deterministic: bool = True  # inductor's deterministic mode, as train.py sets it (false: kernels timed)
     residual: str = "fp32"  # the residual stream's dtype under bf16 autocast: fp32 (model.py as written) | bf16
     peer: bool = True  # time transformers' ModernBertForMaskedLM too, interleaved
-    loss: str = "fused"  # ours (model.py's LOSSES): fused, as docs/gpu.md's rows were measured; train.py's is plain
+    loss: str = "plain"  # ours (model.py's LOSSES), as train.py's --loss (docs/gpu.md's 2026-11-28 rows ran fused)
 
 
 def measure(args, s):
@@ -684,6 +684,7 @@ TODAY = Setting("base", "mlm", 8192, 4, peer=False)
 LEVERS = [("today's step", TODAY), ("--backend=flex+sdpa", dataclasses.replace(TODAY, backend="flex+sdpa")),
           ("today's step", dataclasses.replace(TODAY, phase="clm")),
           ("--backend=flex+sdpa", dataclasses.replace(TODAY, phase="clm", backend="flex+sdpa")),
+          ("--loss=fused", dataclasses.replace(TODAY, loss="fused")),
           ("--backend=flash", dataclasses.replace(TODAY, backend="flash")),
           ("against transformers", Setting("base", "mlm", 1024, 32)),
           ("against transformers", Setting("base", "clm", 1024, 32)),
@@ -715,19 +716,20 @@ def levers_section(rows, args):
              f"base, bf16 autocast, {args.warmup} warm-up steps then the median of {args.steps}; MFU against the GPU's "
              "dense bf16 peak (model.flops_per_token, attention included); peak GiB: weights and Adam state plus the "
              "most a step allocated. Loss: ours (and transformers') on the same first batch, before training.", "",
-             "| row | phase | seq x micro | attention | compile | inductor | residual | tok/s | MFU | peak GiB | "
+             "| row | phase | seq x micro | attention | loss | compile | inductor | residual | tok/s | MFU | peak GiB | "
              "vs today's step | transformers: attention | tok/s | ratio | loss ours / transformers |",
-             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
+             "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
     today = {(r["phase"], r["seq_len"]): r for label, r in rows if label == "today's step" and r}
     for label, r in rows:
         if r is None:
-            lines.append(f"| {label} | | | | | | | not run: the time limit | | | | | | | |")
+            lines.append(f"| {label} | | | | | | | | not run: the time limit | | | | | | | |")
             continue
         base = today.get((r["phase"], r["seq_len"]))
         timed = isinstance(r["ours"], dict) and base and isinstance(base["ours"], dict) and base is not r
         versus = f"{r['ours']['tokens_per_s'] / base['ours']['tokens_per_s']:.2f}x" if timed else "-"
         inductor = "deterministic" if r["deterministic"] else "timed"
-        lines.append(f"| {label} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | {r['compile']} | "
+        lines.append(f"| {label} | {r['phase']} | {r['seq_len']:,} x {r['micro']} | {r['backend']} | {r['loss']} | "
+                     f"{r['compile']} | "
                      f"{inductor} | {r['residual']} | " + " | ".join(cells(r["ours"])) + f" | {versus} | "
                      f"{r['peer_attention']} | {cells(r['peer'])[0]} | {ratio(r)} | {loss(r['loss_ours'])} / "
                      f"{loss(r['loss_peer'])} |")
@@ -861,8 +863,9 @@ def parser():
     t.add_argument("--residual", default="fp32", choices=["fp32", "bf16"],
                    help="the residual stream's dtype under bf16 autocast (bf16: the embeddings' output cast once)")
     t.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="our attention backend")
-    t.add_argument("--loss", default="fused", choices=LOSSES,
-                   help="our loss (train.py's --loss); fused: as docs/gpu.md's tables were measured")
+    t.add_argument("--loss", default="plain", choices=LOSSES,
+                   help="our loss, as train.py's --loss (docs/gpu.md's tables of 2026-11-28 were measured with fused, "
+                        "then train.py's default)")
     t.add_argument("--peer_attention", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"],
                    help="transformers' attn_implementation (auto: flash_attention_2 where installed, else sdpa)")
     t.add_argument("--json", help="also write the rows to this file")
