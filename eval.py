@@ -36,12 +36,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from machinery import evalcli
+
+if __name__ == "__main__":  # the flags, checked before torch is imported: a typo is answered in a second
+    evalcli.check_command_line(__file__)
+
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import evalcli
 from machinery.cli import InputError, autocast, check_outputs, pick_device, run, save
 from machinery.compare import t_interval, t_quantile, verdict
 from machinery.metrics import entity_counts, entity_f1_from_counts, f1_counts, f1_from_counts, one_hot

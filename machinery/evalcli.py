@@ -1,13 +1,15 @@
 """eval.py's command line: a sub-command per entry point, each flag with its meaning and its type checked. A
 reader of the recipe may skip this file."""
 import argparse
+import ast
 import inspect
 import os
+import sys
+import types
+from pathlib import Path
 
-import torch
-
-from machinery import compare, needle
-from machinery.cli import Parser, pick_threads, positive_float, positive_int
+from machinery import compare
+from machinery.cli import Parser, pick_threads, positive_float, positive_int, run
 
 
 def seed_list(text):
@@ -69,8 +71,9 @@ def int_list(text, low, high, what):
     return tuple(values)
 
 
-def parser(ev):
-    """eval.py's command line over the module `ev` (eval.py): its functions are the sub-commands."""
+def parser(ev, needle):
+    """eval.py's command line over the module `ev` (eval.py): its functions are the sub-commands, with the needle's
+    (machinery/needle.py, the module `needle`)."""
     p = Parser(prog="eval.py", description=ev.__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     device = Parser(add_help=False, argument_default=argparse.SUPPRESS)  # an unset flag: the function's default
@@ -202,9 +205,60 @@ def format_default(value):
 HANDED = {"model_class": lambda ev: ev.ModernBERT, "kind_of": lambda ev: ev.kind_of}
 
 
+def check_command_line(path):
+    """eval.py's flags (`path`: its file) checked before it imports torch (seconds on an idle machine, more on a busy
+    one): a mistyped one is answered at once, in one line (exit status 2). The parser is built over a sketch of
+    eval.py and machinery/needle.py, made from their source without running their imports; main parses the flags
+    again over the modules themselves, and prints --help."""
+    argv = sys.argv[1:]
+    if argv and not {"-h", "--help"} & set(argv):
+        run(lambda _: parser(sketch(path), sketch(Path(__file__).with_name("needle.py"))).parse_args(argv))
+
+
+def sketch(path):
+    """A stand-in for the module at `path`: its docstring, its functions with their signatures and docstrings
+    (bodies and annotations left out), and its constants (a dict whose keys are literals: those keys)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    body = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            node.body, node.decorator_list, node.returns = [ast.Expr(ast.Constant(doc))], [], None
+            for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                arg.annotation = None
+            node.args.defaults = [literal(d) for d in node.args.defaults]  # a sub-command's are literals (tested)
+            node.args.kw_defaults = [d and literal(d) for d in node.args.kw_defaults]
+            body.append(node)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            if isinstance(value, ast.Dict) and all(isinstance(k, ast.Constant) for k in value.keys):
+                value = ast.Dict(keys=value.keys, values=[ast.Constant(None)] * len(value.keys))
+            try:
+                ast.literal_eval(value)
+            except ValueError:
+                continue
+            body.append(ast.copy_location(ast.Assign(targets=node.targets, value=value), node))
+    names = {}
+    exec(compile(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])), str(path), "exec"), names)
+    return types.SimpleNamespace(__doc__=ast.get_docstring(tree), **{k: v for k, v in names.items()
+                                                                     if not k.startswith("__")})
+
+
+def literal(node):
+    """An expression of a sketch: itself where it is a literal, else None (what it names is not there)."""
+    try:
+        ast.literal_eval(node)
+        return node
+    except ValueError:
+        return ast.copy_location(ast.Constant(None), node)
+
+
 def main(ev, argv=None):
     """Run the sub-command of eval.py (the module `ev`) that argv names."""
-    args = vars(parser(ev).parse_args(argv))
+    import torch
+
+    from machinery import needle
+    args = vars(parser(ev, needle).parse_args(argv))
     name = args.pop("command")
     command = {"table": compare.table, "needle": needle.needle}.get(name) or getattr(ev, name)
     args.update({k: give(ev) for k, give in HANDED.items() if k in inspect.signature(command).parameters})

@@ -262,7 +262,7 @@ def test_every_flag_has_a_meaning_and_its_functions_default_in_help():
 
     from machinery import compare, needle
     from machinery.evalcli import parser
-    commands = next(a for a in parser(ev)._actions if a.dest == "command").choices
+    commands = next(a for a in parser(ev, needle)._actions if a.dest == "command").choices
     assert set(commands) == {"cka", "finetune", "table", "mlm", "curves", "needle"}
     functions = {"table": compare.table, "needle": needle.needle}
     for name, sub in commands.items():
@@ -275,11 +275,43 @@ def test_every_flag_has_a_meaning_and_its_functions_default_in_help():
             if action.option_strings and action.dest != "help" and default not in (None, False, (), [], inspect._empty):
                 shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
                 assert f"(default: {shown})" in text, (name, action.dest)  # None, off, none: the meaning says
-    args = vars(parser(ev).parse_args(["finetune", "m", "--task=t"]))  # left out: absent, the function decides
+    args = vars(parser(ev, needle).parse_args(["finetune", "m", "--task=t"]))  # left out: absent, the function decides
     assert set(args) == {"command", "model", "tasks", "threads"}
     finetune = " ".join(commands["finetune"].format_help().split())
     assert "--lr LR AdamW peak learning rate (default: 5e-05)" in finetune
     assert "--seeds SEEDS fine-tuning seeds" in finetune and "--max_len MAX_LEN tokens per text" in finetune
+
+
+def test_the_flags_checked_before_torch_are_the_flags_of_the_command():
+    """eval.py checks its flags before it imports torch, with a parser built over sketches of eval.py and
+    machinery/needle.py (their functions' signatures and docstrings, read from the source): every sub-command has
+    the same flags, types, choices, requirements and help as the parser over the modules themselves."""
+    from machinery import evalcli, needle
+
+    def described(p):
+        commands = next(a for a in p._actions if a.dest == "command").choices
+        return {name: (sub.format_help(), [(a.dest, a.option_strings, getattr(a.type, "__qualname__", a.type),
+                                            a.choices and list(a.choices), a.required, a.nargs)  # choices: the keys
+                                           for a in sub._actions]) for name, sub in commands.items()}
+    sketched = evalcli.parser(evalcli.sketch(ROOT / "eval.py"), evalcli.sketch(ROOT / "machinery" / "needle.py"))
+    assert described(sketched) == described(evalcli.parser(ev, needle))
+
+
+def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
+    """A torch that cannot be imported does not stand in the way of a flag's error (nor of the suggestion); right
+    flags and --help go on to the import."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for argv, status, said in ((["finetune", "m", "--task=t", "--sedes=1"], 2, "error: eval.py: unrecognized "
+                                "arguments: --sedes=1; did you mean --seeds or --steps? (see eval.py --help)"),
+                               (["cka", "a"], 2, "error: eval.py cka: the following arguments are required: model_b, "
+                                "--texts (see eval.py cka --help)"),
+                               (["mlm", "m", "--data=d"], 1, "torch was imported"),
+                               (["mlm", "--help"], 1, "torch was imported")):
+        result = subprocess.run([sys.executable, str(ROOT / "eval.py"), *argv], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert (result.returncode, result.stderr.strip()) == (status, said), result
 
 
 def test_threads(monkeypatch, capsys):
