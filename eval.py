@@ -1,7 +1,6 @@
 """
-Evaluation of ModernBERT checkpoints: how far a run's representations moved (layer-wise CKA against
-a seed-noise band), what they are worth downstream (fine-tuning), and how well it still predicts
-(validation loss).
+Evaluation of ModernBERT checkpoints: how far a run's representations moved (layer-wise CKA against a seed-noise
+band), what they are worth downstream (fine-tuning), and how well it still predicts (validation loss).
 
     python eval.py cka MLM_R1,MLM_R2,MLM_R3 CLM_R1,CLM_R2,CLM_R3 --control=MLM_SEED_R1 \
         --control=MLM_SEED_R2 --control=MLM_SEED_R3 --names=MLM,CLM --texts=heldout.jsonl
@@ -11,22 +10,21 @@ a seed-noise band), what they are worth downstream (fine-tuning), and how well i
     python eval.py curves out/clm out/mlm --out=out/curves.png   # one run: its loss.png drawn again
     python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
-A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. This file
-holds three lessons, one `# ---` section each, in this order (after the batches they share):
+A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. This file holds three
+lessons, one `# ---` section each, in this order:
 
-  1. CKA and its seed-noise band (`# CKA:`): linear_cka, layer_means, band and BAND_RULE,
-     control_pairs, cka, cka_summary, trend.
-  2. Task kinds and how each is scored (`# Task kinds.`): Kind, TokenClassification,
-     SingleLabel, MultiLabel, KINDS (through kind_of).
+  1. CKA and its seed-noise band (`# CKA:`): linear_cka, layer_means, band and BAND_RULE, control_pairs, cka,
+     cka_summary, trend.
+  2. Task kinds and how each is scored (`# Task kinds.`): Kind, TokenClassification, SingleLabel, MultiLabel,
+     KINDS (through kind_of).
   3. Fine-tuning (`# Fine-tuning:`): Classifier, budget, train_seed, finetune, finetune_task.
 
-Then validation loss and loss curves (mlm, curves) and the command line. Two lessons of their
-own live in one file each: comparing arms (intervals, power, verdicts, the `table` command:
-machinery/compare.py) and long context (the `needle` command: machinery/needle.py). The
-machinery a reader may skip: the metrics (machinery/metrics.py), models and tokenizers found and
-checked (machinery/models.py), task and results files (machinery/tasks.py), tables and figures
-(machinery/report.py), the command line (machinery/evalcli.py). Bad input ends in one line
-`error: ...` and exit status 2.
+Then validation loss and loss curves (mlm, curves) and the command line. Two lessons of their own live in one file
+each: comparing arms (intervals, power, verdicts, the `table` command: machinery/compare.py) and long context (the
+`needle` command: machinery/needle.py). The machinery a reader may skip: batches (machinery/batches.py), the
+metrics (machinery/metrics.py), models and tokenizers found and checked (machinery/models.py), task and results
+files (machinery/tasks.py), tables and figures (machinery/report.py), the command line (machinery/evalcli.py). Bad
+input ends in one line `error: ...` and exit status 2.
 """
 import copy
 import math
@@ -46,32 +44,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from machinery.batches import batches_by_length, length_grouped, pad_batch
 from machinery.cli import InputError, autocast, check_outputs, pick_device, run, save
 from machinery.compare import t_interval, t_quantile, verdict
 from machinery.metrics import entity_counts, entity_f1_from_counts, f1_counts, f1_from_counts, one_hot
 from machinery.models import (as_list, check_validation_data, distinct_models, inspect_model, load_weights,
                               model_files, model_tokenizer)
 from machinery.tasks import (SPLITS, cached_seed, carve_dev, is_number, read_tasks, read_texts, seed_folder,
-                             subset)
+                             split_sizes, subset)
 from model import IGNORE_INDEX, ModernBERT
-
-# ----------------------------------------------------------------------------
-# Batches (a model and its tokenizer are found and checked in machinery/models.py)
-
-
-def pad_batch(seqs, pad_value, device):
-    """list of id lists -> (B, T) long tensor padded on the right, and its (B, T) attention mask."""
-    T = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [pad_value] * (T - len(s)) for s in seqs], device=device)
-    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=device)
-    return ids, mask
-
-
-def batches_by_length(seqs, batch_size):
-    """Index arrays of batch_size sequences of similar length (evaluation: order is free there)."""
-    order = np.argsort([len(s) for s in seqs], kind="stable")
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
 
 # ----------------------------------------------------------------------------
 # CKA: per layer, how alike two models represent the same texts. The signal is the pair's
@@ -135,14 +116,12 @@ def linear_cka(X, Y):
     if min(np.linalg.norm(Xc) / max(np.linalg.norm(X), 1e-300),
            np.linalg.norm(Yc) / max(np.linalg.norm(Y), 1e-300)) < 1e-9:  # rounding noise only
         return math.nan
-    return float(np.linalg.norm(Yc.T @ Xc) ** 2
-                 / (np.linalg.norm(Xc.T @ Xc) * np.linalg.norm(Yc.T @ Yc)))
+    return float(np.linalg.norm(Yc.T @ Xc) ** 2 / (np.linalg.norm(Xc.T @ Xc) * np.linalg.norm(Yc.T @ Yc)))
 
 
 @torch.no_grad()
 def layer_means(model, tok, texts, max_len, batch_size, device):
-    """(L, len(texts), d) float64: each text's attention-masked mean of every block's output
-    (before final_norm)."""
+    """(L, len(texts), d) float64: each text's attention-masked mean of every block's output (before final_norm)."""
     seqs = [[tok.cls_id, *ids[:max_len - 2], tok.sep_id] for ids in tok.encode_batch(texts)]
     c = model.config
     out = torch.empty(c.num_hidden_layers, len(seqs), c.hidden_size, dtype=torch.float64)
@@ -266,12 +245,11 @@ def trend(each, controls):
 
 
 # ----------------------------------------------------------------------------
-# Task kinds. What differs between them (targets, loss, decoding, metrics, majority baseline) is
-# one class; a new kind is a class and an entry in KINDS (and, for a new file format, a reader in
-# machinery/tasks.py). Targets are built over train's labels. A dev or test label that train lacks
-# (read_task warns once per label) gets the target UNSEEN, is never predicted and counts as missed:
-# the same for every kind. A kind scores through per-example counts (`counts`, then `metrics` of
-# their sum), so that a resample of the test examples is scored by the same code.
+# Task kinds. What differs between them (targets, loss, decoding, metrics, majority baseline) is one class; a new
+# kind is a class and an entry in KINDS (and, for a new file format, a reader in machinery/tasks.py). Targets are
+# built over train's labels. A dev or test label that train lacks (read_task warns once per label) gets the target
+# UNSEEN, is never predicted and counts as missed: the same for every kind. A kind scores through per-example
+# counts (`counts`, then `metrics` of their sum), so that a resample of the test examples is scored by the same code.
 
 UNSEEN = -1  # never in a loss: train holds no such label
 
@@ -547,18 +525,6 @@ def optimizer_for(model, lr):
         {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
 
 
-def length_grouped(lengths, batch_size, generator, group=64):
-    """One epoch's batches: the examples in a random order, cut into runs of `group` batches, each
-    run sorted by length and cut into batches, the batches shuffled. Little padding (a batch pads to
-    its longest example), a random order of batches; Hugging Face's group_by_length does the same."""
-    order = torch.randperm(len(lengths), generator=generator).tolist()
-    batches = []
-    for i in range(0, len(order), group * batch_size):
-        run = sorted(order[i:i + group * batch_size], key=lambda j: lengths[j])
-        batches += [run[k:k + batch_size] for k in range(0, len(run), batch_size)]
-    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-
-
 def budget(kind, n_train, s):
     """(optimizer steps, the steps after which dev is scored): epochs over train; or s.steps, at
     most s.epochs over train when both are given (a small task is not read fifty times over); dev
@@ -660,13 +626,9 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
     data = {split: (examples[split], kind.encode(task["labels"], examples[split], tok, s.max_len))
             for split in SPLITS}
     steps, points = budget(kind, len(examples["train"]), s)
-    carved = dev_split["carved_from_train"]
-    print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, "
-          f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples"
-          + (f" (dev: {dev_split['own']} of its own and {carved} moved from train, --dev_min="
-             f"{dev_split['dev_min']})" if carved else "")
-          + f", {steps} steps of {s.batch_size} ({steps * s.batch_size / len(examples['train']):.1f}"
-          f" epochs), dev scored {len(points)} times")
+    print(f"{task['name']}: {kind.name}, {len(task['labels'])} labels, {split_sizes(examples, dev_split)}, {steps} "
+          f"steps of {s.batch_size} ({steps * s.batch_size / len(examples['train']):.1f} epochs), dev scored "
+          f"{len(points)} times")
     every = [[x for split in SPLITS for x in data[split][part]] for part in (0, 1)]
     print("  train, dev and test: " + kind.truncation(*every, s.max_len))
     inputs = {**inputs, "task": task["name"], "kind": kind.name, "sha256": task["sha256"]}
@@ -687,15 +649,13 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
     values = {m: [r["test"][m] for r in runs.values()] for m in baseline["test"]}
     mean = {m: float(np.mean(v)) for m, v in values.items()}
     std = {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()}
-    print(f"{task['name']}: test {kind.primary} {100 * mean[kind.primary]:.2f} ± "
-          f"{100 * std[kind.primary]:.2f} over {len(seeds)} seeds; majority baseline "
-          f"{100 * baseline['test'][kind.primary]:.2f}")
-    return {"task": task["name"], "kind": kind.name, "labels": task["labels"],
-            "scored": task["scored"], "primary": kind.primary, "steps": steps,
-            "ner_mode": s.ner_mode if kind.name == "token" else None, "files": task["files"],
-            "sha256": task["sha256"], "dev_split": dev_split, "majority": top,
-            "examples": {split: len(examples[split]) for split in SPLITS}, "seeds": runs,
-            "mean": mean, "std": std, "baseline": baseline}
+    print(f"{task['name']}: test {kind.primary} {100 * mean[kind.primary]:.2f} ± {100 * std[kind.primary]:.2f} over "
+          f"{len(seeds)} seeds; majority baseline {100 * baseline['test'][kind.primary]:.2f}")
+    return {"task": task["name"], "kind": kind.name, "labels": task["labels"], "scored": task["scored"],
+            "primary": kind.primary, "steps": steps, "ner_mode": s.ner_mode if kind.name == "token" else None,
+            "files": task["files"], "sha256": task["sha256"], "dev_split": dev_split, "majority": top,
+            "examples": {split: len(examples[split]) for split in SPLITS}, "seeds": runs, "mean": mean, "std": std,
+            "baseline": baseline}
 
 
 # ----------------------------------------------------------------------------
@@ -713,8 +673,7 @@ def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
     losses = validation_losses(net, data, seq_len, n_sequences, batch_size, device)
     bad = [f"{k} = {v}" for k, v in losses.items() if not is_number(v)]
     if bad:
-        raise InputError(f"{model} on {data}/val.bin: {', '.join(bad)}; a loss that is not finite "
-                         f"means nothing")
+        raise InputError(f"{model} on {data}/val.bin: {', '.join(bad)}; a loss that is not finite means nothing")
     print(f"{model} on {data}/val.bin ({n_sequences} windows of {seq_len}): validation MLM loss "
           f"{losses['val_mlm']:.4f} (15% masked), CLM loss {losses['val_clm']:.4f}")
     return losses

@@ -1,13 +1,12 @@
 """ModernBERT from scratch, numerically identical to Hugging Face `ModernBertForMaskedLM`.
 
-Read top to bottom: the config and its size presets, rotary embedding, attention and the loss written
-out, MLP, the block, then the model: forward, optimizer groups, FLOP count, checkpoints. Parameter
-names are Hugging Face's, so a checkpoint is a plain state dict that transformers loads as is.
-The same weights run with a bidirectional mask (MLM) or a causal one (the CLM detour): `causal=True`
-changes only which keys each query may see (`mask_rule`). Behind the model, in machinery/ (a reader
-may skip them): kernels.py, the attention backends (the same attention, computed faster), compiling
-the blocks and the fused decoder + loss (an opt-in: the loss that trains is `cross_entropy`, as written here);
-hf.py, config.json and model.safetensors read and checked.
+Read top to bottom: the config and its size presets, rotary embedding, attention and the loss written out, MLP, the
+block, then the model: forward, optimizer groups, FLOP count, checkpoints. Parameter names are Hugging Face's, so a
+checkpoint is a plain state dict that transformers loads as is. The same weights run with a bidirectional mask (MLM)
+or a causal one (the CLM detour): `causal=True` changes only which keys each query may see (`mask_rule`). Behind the
+model, in machinery/ (a reader may skip them): kernels.py, the attention backends (the same attention, computed
+faster), compiling the blocks and the fused decoder + loss (an opt-in: the loss that trains is `cross_entropy`, as
+written here); hf.py, config.json and model.safetensors read and checked.
 """
 import dataclasses
 import math
@@ -165,9 +164,7 @@ def cross_entropy(h, weight, bias, targets):
     return F.cross_entropy(logits, targets) if len(targets) else logits.sum()  # no labelled position: 0
 
 
-# How a forward with labels computes its loss: "plain" runs cross_entropy above; "fused" runs the same numbers in
-# chunks (machinery/kernels.py), and a run that asks for it checks first that cross_entropy still gives them.
-LOSSES = ("plain", "fused")
+LOSSES = ("plain", "fused")  # plain: cross_entropy above; fused: its numbers in chunks, once checked equal to it
 
 
 # -----------------------------------------------------------------------------
@@ -189,8 +186,7 @@ class Attention(nn.Module):
         """x (..., d) in the backend's layout; attn: the batch's attention backend (kernels.py)."""
         qkv = self.Wqkv(x).unflatten(-1, (3, self.n_head, -1))  # (..., 3, H, D)
         q, k, v = qkv.unbind(-3)  # each (..., H, D)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rope: (cos, sin)
         y = attn.attend(q, k, v, self.local).flatten(-2)  # (..., H*D)
         return F.dropout(self.Wo(y), self.dropout, self.training)
 
@@ -226,8 +222,7 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# The model: embeddings, the blocks, the MLM head (dense, GELU, norm) and a decoder tied to the
-# embeddings, as in ModernBERT.
+# The model: embeddings, the blocks, the MLM head (dense, GELU, norm), a decoder tied to the embeddings, as ModernBERT.
 
 
 class ModernBERT(nn.Module):
@@ -236,8 +231,8 @@ class ModernBERT(nn.Module):
     def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
         self.config, self.backend = config, backend  # backend: a name in BACKENDS, or "auto"
-        self.loss = loss  # a name in LOSSES: "plain" runs cross_entropy above
-        if loss == "fused":  # refused if cross_entropy above was edited: the kernel would not train the edit
+        self.loss = loss  # a name in LOSSES; "fused" is refused if cross_entropy above was edited
+        if loss == "fused":
             check_fused(cross_entropy)
         self.compiled_with = None  # torch.compile's backend once compile_blocks has run
         c = config
@@ -315,10 +310,8 @@ class ModernBERT(nn.Module):
     def param_groups(self):
         """(name, param) lists: 'decay' for matrices, 'no_decay' for ndim <= 1 (biases, norms)."""
         named = dict(self.named_parameters())  # named_parameters() yields a tied tensor once
-        groups = {"decay": [(n, p) for n, p in named.items() if p.ndim >= 2],
-                  "no_decay": [(n, p) for n, p in named.items() if p.ndim <= 1]}
-        assert sum(len(g) for g in groups.values()) == len(named), "each parameter in one group"
-        return groups
+        return {"decay": [(n, p) for n, p in named.items() if p.ndim >= 2],
+                "no_decay": [(n, p) for n, p in named.items() if p.ndim <= 1]}
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -332,12 +325,9 @@ class ModernBERT(nn.Module):
         d, w = c.hidden_size, c.window
         body = c.num_hidden_layers * (4 * d * d + 3 * d * c.intermediate_size)  # Wqkv, Wo, Wi, Wo
         head = d * d + d * c.vocab_size  # head.dense and the decoder, per predicted token
-        keys = 0
-        for kind in c.layer_types:
-            if kind == "full_attention":
-                keys += (seq_len + 1) / 2 if causal else seq_len
-            else:
-                keys += min(w + 1 if causal else 2 * w + 1, seq_len)
+        global_keys = (seq_len + 1) / 2 if causal else seq_len
+        local_keys = min(w + 1 if causal else 2 * w + 1, seq_len)
+        keys = sum(global_keys if kind == "full_attention" else local_keys for kind in c.layer_types)
         return 6 * (body + mask_rate * head) + 12 * d * keys  # QK^T and PV: 2 * 2d per key, x3
 
     # --- checkpoints: a Hugging Face directory (config.json + model.safetensors) ---

@@ -163,8 +163,7 @@ class AdamW:
     decay."""
 
     def __init__(self, groups, peak_lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=1e-5, frozen=()):
-        self.groups = [(params, weight_decay if kind == "decay" else 0.0)
-                       for kind, params in groups.items()]
+        self.groups = [(params, weight_decay if kind == "decay" else 0.0) for kind, params in groups.items()]
         named = [name for params, _ in self.groups for name, _ in params]
         assert len(named) == len(set(named)), "every parameter belongs to exactly one group"
         self.peak_lr, self.betas, self.eps = peak_lr, betas, eps
@@ -196,7 +195,6 @@ class AdamW:
             torch._foreach_div_(denom, math.sqrt(bias2))
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bias1)
-
 
 
 # The shape of each schedule after the warmup: a multiplier of the peak for the step that starts t tokens into a
@@ -307,9 +305,8 @@ def start_point(given, master, world, local_world):
         run_dir, state = rundir.resume_from(out_dir, master, lambda s: cli.all_gather(s, world)[0], PHASES, FIELDS)
     else:
         state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
-    absent = flags.absent_settings(state, Config) if state else {}  # a setting added since it was written
-    if master:
-        progress.absent(how, absent, given, INHERITED)
+    if master and state:  # a setting added since the checkpoint was written: its default, said once
+        progress.absent(how, flags.absent_settings(state, Config), given, INHERITED)
     if how == "resume":  # the budget may grow, the schedule kept
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
         flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)
@@ -349,9 +346,8 @@ def schedule_start(cfg, how, state):
 def fresh_config(cfg, meta):
     """A fresh model's architecture: --preset's, with the data's vocabulary and special ids."""
     vocab = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 keeps the decoder matmul fast
-    return ModernBERTConfig.from_preset(cfg.preset, vocab_size=vocab, pad_token_id=meta["pad_id"],
-                                        cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
-                                        mask_token_id=meta["mask_id"])
+    return ModernBERTConfig.from_preset(cfg.preset, vocab_size=vocab, **{f"{t}_token_id": meta[f"{t}_id"]
+                                                                         for t in ("pad", "cls", "sep", "mask")})
 
 
 def build_model(cfg, how, state, meta, device):
@@ -395,22 +391,6 @@ def restore(how, state, optimizer, loader, device, rank, world):
 # The run: processes, setup, the loop, checkpoints.
 
 
-def init_processes(given):
-    """torchrun's variables, checked: one code path for 1 and N processes, and a process group only where
-    there are others to meet. Returns (rank, world, local_world, device)."""
-    timeout = flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout))
-    rank, world, local_rank, local_world = cli.processes()
-    device = cli.pick_device(given.get("device", Config.device), local_rank, local_world=local_world)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if world > 1:  # device_id: NCCL binds this rank to its GPU now, not at its first collective
-        with cli.rendezvous(rank, world, timeout, device):
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
-    return rank, world, local_world, device
-
-
 def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
     """(the step's mean loss over every rank's labelled tokens, whether any rank was asked to stop, the gradient
     norm), as Python numbers. Every rank must stop at the same step (one that went on would wait forever in the
@@ -427,7 +407,8 @@ def across_ranks(loss_sum, labelled, stop_requested, grad_norm):
 
 def setup(given):
     """Everything before the first step: processes, where we start, data, model, optimizer."""
-    rank, world, local_world, device = init_processes(given)
+    rank, world, local_world, device = cli.init_processes(  # torchrun's processes met, each on its device
+        given.get("device", Config.device), flags.ddp_timeout(given.get("ddp_timeout", Config.ddp_timeout)))
     how, cfg, state, run_dir = start_point(given, rank == 0, world, local_world)
     torch.set_num_threads(cfg.threads)
     if cfg.recipe == "demo" and cfg.data == RECIPES["demo"]["data"] and rank == 0:
@@ -442,17 +423,14 @@ def setup(given):
     model, source = build_model(cfg, how, state, meta, device)
     cfg.preset = flags.preset_of(model.config, PRESETS)  # the architecture that runs, recorded as what it is
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
-    layers = freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers)
-    frozen = freeze.frozen_names(model, layers)
-    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                      cfg.weight_decay, frozen)
+    frozen = freeze.frozen_names(model, freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers))
+    optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
     phase_step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
     start = schedule_start(cfg, how, state)
     if rank == 0:
         progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
-        unlike = source and flags.unlike_fresh(model.config, lambda preset: fresh_config(
-            dataclasses.replace(cfg, preset=preset), meta), PRESETS)
-        progress.architecture(model.config, source, unlike or {})
+        progress.architecture(model.config, source, source and flags.unlike_fresh(
+            model.config, lambda preset: fresh_config(dataclasses.replace(cfg, preset=preset), meta), PRESETS))
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises
     if cfg.compile and device.type in COMPILERS:
@@ -553,18 +531,14 @@ def validate(r, record):
 
 def checkpoint_state(r, rng):
     """What a checkpoint's state.json holds now (rng: every rank's RNG states)."""
-    return dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step,
-                phase_tokens=r.phase_tokens,
+    return dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step, phase_tokens=r.phase_tokens,
                 total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
-                schedule_tokens_done=r.schedule_start + r.phase_tokens,
-                loader=r.loader.state_dict(), rng=rng,
-                config=dataclasses.asdict(r.cfg), code=r.code, tokenizer=r.meta["tokenizer"],
-                history=r.history)
+                schedule_tokens_done=r.schedule_start + r.phase_tokens, loader=r.loader.state_dict(), rng=rng,
+                config=dataclasses.asdict(r.cfg), code=r.code, tokenizer=r.meta["tokenizer"], history=r.history)
 
 
 def save(r):
-    """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every
-    rank comes here."""
+    """A checkpoint of all a resume needs, and the model card. all_gather is a collective: every rank comes here."""
     state = checkpoint_state(r, cli.all_gather(rng_state(r.device), r.world))
     if r.run_dir:
         r.run_dir.save(r.model, r.optimizer.moments, state, r.tokenizer, r.cfg.keep)
@@ -577,14 +551,8 @@ def main(argv=None):
         return print(flags.help_text(Config, resolve_config({k: given[k] for k in ("recipe", "phase") if k in given}),
                                      __doc__))
     r = setup(given)
-    try:
+    with r.tracker, flags.out_of_memory_explained(r):  # the sizes a step tried, and what to lower
         total_steps, stopped_by, elapsed = train(r)
-    except Exception as e:
-        if not cli.out_of_memory(e):
-            raise
-        raise flags.out_of_memory(e, r) from None
-    finally:
-        r.tracker.close()
     cli.all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
     progress.finish(r, total_steps, stopped_by, elapsed, learning_rate)  # the summary, the lock let go; a Stop
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The command-line layer every script shares: one error type, one parser, torchrun's variables checked, one
-device, thread and autocast picker, out-of-memory recognised, output paths checked before the work, JSON in and
-out, a file's SHA-256 and the code's. A reader of the recipe may skip this file."""
+"""The command-line layer every script shares: one error type, one parser, torchrun's variables checked and the
+processes met, one device, thread and autocast picker, out-of-memory recognised, output paths checked before the
+work, JSON in and out, a file's SHA-256 and the code's. A reader of the recipe may skip this file."""
 import argparse
 import contextlib
 import difflib
@@ -179,6 +179,24 @@ def rendezvous(rank, world, timeout, device, script="train.py"):
             "the network interface gloo picks (GLOO_SOCKET_IFNAME)"
         raise InputError(f"rank {rank} of {world}: {what} could not start on {device}: {words}. Check {check}",
                          every_rank=True) from None
+
+
+def init_processes(requested_device, timeout, script="train.py"):
+    """(rank, world, local_world, device) of this process: torchrun's variables checked, the device picked (TF32
+    matmuls on a GPU), and a process group only where there are others to meet: NCCL on GPUs, gloo on CPUs. One
+    code path for 1 and N processes."""
+    import torch
+    import torch.distributed as dist
+    rank, world, local_rank, local_world = processes(script)
+    device = pick_device(requested_device, local_rank, local_world=local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if world > 1:  # device_id: NCCL binds this rank to its GPU now, not at its first collective
+        with rendezvous(rank, world, timeout, device, script):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+    return rank, world, local_world, device
 
 
 def all_gather(obj, world):

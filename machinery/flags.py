@@ -1,6 +1,7 @@
 """train.py's flags: --key=value parsed into its Config dataclass, --help written from the dataclass's own
 comments, and the range of every value. A reader of the recipe may skip this file."""
 import ast
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -11,6 +12,7 @@ import re
 import sys
 
 from machinery.cli import MAX_THREADS, InputError, did_you_mean, run
+from machinery.cli import out_of_memory as allocation_failed
 from machinery.hf import hub_id_problem
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
@@ -283,6 +285,17 @@ def check_finite(loss, grad_norm, step, cfg):
         raise InputError(f"non-finite loss {loss} or gradient norm {grad_norm} at step {step} (phase {cfg.phase}); "
                          f"stopped before the update. The last checkpoint in {cfg.out_dir} is kept; lower --lr or "
                          f"check the data")
+
+
+@contextlib.contextmanager
+def out_of_memory_explained(r):
+    """An allocation that fails inside (machinery/cli.py's out_of_memory) is raised again as out_of_memory's InputError."""
+    try:
+        yield
+    except Exception as e:
+        if not allocation_failed(e):
+            raise
+        raise out_of_memory(e, r) from None
 
 
 def out_of_memory(e, r):

@@ -185,6 +185,15 @@ def carve_dev(task, dev_min):
             {"own": len(own), "carved_from_train": carved, "dev_min": dev_min})
 
 
+def split_sizes(examples, dev_split):
+    """The examples of each split, as a task's first line says them: "N/N/N examples", and where dev took some
+    from train (carve_dev), how many."""
+    sizes = f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples"
+    carved = dev_split["carved_from_train"]
+    return sizes + (f" (dev: {dev_split['own']} of its own and {carved} moved from train, --dev_min="
+                    f"{dev_split['dev_min']})" if carved else "")
+
+
 def read_tasks(folders, seeds):
     """The task folders read and checked (read_task), with distinct names, for distinct seeds."""
     tasks = [read_task(t) for t in folders]

@@ -67,6 +67,12 @@ class Trackers:
                 self.failed[name] = "closing (its last records may be lost)"
         self.sinks = {}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):  # closed however the run ends
+        self.close()
+
 
 def run_name(out_dir):
     return os.path.basename(os.path.normpath(out_dir))

@@ -2,6 +2,7 @@
 that the graphs, guards and recompilations are those a GPU run makes (only inductor's code generation is left
 out): the compile budget over training and both validations, and compiled blocks under DDP over gloo. Also the
 start checks that keep a run from a backend its dtype would refuse, and the peak-FLOPS table's lookup."""
+import datetime
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import bench
 import fake_flash_attn
 import train
 from conftest import ROOT, tiny_model
-from machinery import kernels, progress
+from machinery import cli, kernels, progress
 from machinery.cli import InputError
 from model import Block
 
@@ -152,7 +153,7 @@ def test_flash_in_float32_is_refused_before_any_data_is_read(fake_flash, monkeyp
     """--backend=flash --dtype=float32 on a GPU (faked): one line naming both flags, before the data (which does
     not exist here) is read or a run directory is made; --backend=auto gets past the same check to the data."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(train, "init_processes", lambda given: (0, 1, 1, cuda))
+    monkeypatch.setattr("machinery.cli.init_processes", lambda device, timeout: (0, 1, 1, cuda))
     monkeypatch.setattr("machinery.cli.pick_device", lambda requested, *args, **kwargs: cuda)
     flags = [f"--data={tmp_path / 'missing'}", "--backend=flash", "--preset=tiny", "--seq_len=128",
              "--batch_size=4", "--tokens=1024"]
@@ -258,7 +259,7 @@ def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypa
     monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
-        assert train.init_processes({}) == (1, 2, 2, gpu)
+        assert cli.init_processes("auto", datetime.timedelta(seconds=900)) == (1, 2, 2, gpu)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert [c[0] for c in calls] == ["set_device", "nccl"] and calls[0][1] == gpu
