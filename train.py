@@ -318,7 +318,7 @@ def start_point(given, master, world, local_world):
         if STARTS[how].data_position:  # it holds for the parent's seq_len and seeds only
             flags.check_handoff(cfg, state["config"])
         cfg.base_model = cfg.base_model or progress.base_model(cfg.init_from, state)  # the card's
-    flags.check_all(cfg, how, state, Config, CHOICES, world)  # the chain of phases, device, backend, trackers
+    flags.check_all(cfg, how, state, Config, CHOICES, world, given)  # phases, device, backend, schedule, trackers
     cfg.threads = cli.pick_threads(cfg.threads, local_world)
     if master and not STARTS[how].phase:  # a new phase: a run directory of its own
         run_dir = RunDir.create(cfg.out_dir, locked=True)

@@ -410,13 +410,53 @@ def check_weights_only(given, how):
                          "to take")
 
 
-def check_all(cfg, how, state, config_cls, allowed, world):
+def check_all(cfg, how, state, config_cls, allowed, world, given=()):
     """Every check of a resolved configuration before anything is built: where it starts (check_start), each
-    value (check), the trackers (known and installed)."""
+    value (check), the schedule's flags (a flag it does not read is refused), the trackers (known and installed)."""
     from machinery import tracking
     check_start(cfg, how, state, config_cls)
     check(cfg, allowed, world)
+    if how != "resume":  # a resumed run's flags were checked when it started
+        check_schedule_flags(cfg, given, allowed["schedule"])
     tracking.names(cfg.log_to)
+
+
+class Reads:
+    """A configuration that records the names of the fields read from it."""
+
+    def __init__(self, cfg):
+        self.cfg, self.names = cfg, set()
+
+    def __getattr__(self, name):
+        self.names.add(name)
+        return getattr(self.cfg, name)
+
+
+def schedule_reads(shape, cfg):
+    """The configuration fields a schedule's shape (train.py's SCHEDULES) reads with `cfg`: found by calling it, at
+    the first, middle and last token of the schedule's budget, so that a field read on one branch only (a decay's)
+    is found, and an edited or added shape is read as it is written."""
+    reads, end = Reads(cfg), cfg.schedule_tokens or cfg.tokens
+    for t in (0, end // 2, end):
+        shape(t, end, reads)
+    return reads.names
+
+
+def check_schedule_flags(cfg, given, schedules):
+    """A schedule's flag given on the command line (a field that some shape of `schedules` reads, with these
+    settings or the defaults) that this run's schedule does not read is an InputError: it would change nothing."""
+    read = schedule_reads(schedules[cfg.schedule], cfg)
+    readers = {name: schedule_reads(shape, cfg) | schedule_reads(shape, type(cfg)()) for name, shape in schedules.items()}
+    budget = ("tokens", "schedule_tokens")  # read by every run, whatever its schedule
+    unread = [k for k in given if k not in budget and k not in read and any(k in r for r in readers.values())]
+    if unread:
+        k = unread[0]
+        others = [name for name, r in readers.items() if k in r and name != cfg.schedule]
+        why = "with these settings" if k in readers[cfg.schedule] else \
+            f"({', '.join(others[:-1]) + ' and ' if others[:-1] else ''}{others[-1]} " \
+            f"{'does' if len(others) == 1 else 'do'}: --schedule=NAME)"
+        raise InputError(f"--{k}={given[k]} changes nothing: the {cfg.schedule} schedule does not read it {why}; "
+                         f"leave it out")
 
 
 def check_start(cfg, how, state, config_cls):

@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -119,6 +120,11 @@ BAD_FLAGS = [
     (["--device=cuda:7"], ["--device=cuda:7"]),
     (["--threads=-2"], ["--threads"]),
     (["--final_lr_frac=2"], ["--final_lr_frac=2.0"]),
+    # a schedule's flag the run's schedule does not read: it would change nothing
+    (["--phase=clm", "--decay_frac=0.2"], ["--decay_frac=0.2 changes nothing", "the constant schedule", "wsd does"]),
+    (["--final_lr_frac=0.3"], ["--final_lr_frac=0.3 changes nothing", "(1-sqrt and wsd do: --schedule=NAME)"]),
+    (["--schedule=wsd", "--decay_tokens=65536", "--decay_frac=0.2"],
+     ["--decay_frac=0.2 changes nothing", "the wsd schedule does not read it with these settings"]),
     (["--phase=decay", "--tokens=1e6"], ["--phase=decay", "--init_from"]),
     # windows that may hold no token to predict: [SEP] [CLS] labels nothing in MLM or CLM
     (["--seq_len=1"], ["--seq_len=1", "at least 3"]),
@@ -810,3 +816,20 @@ def test_a_hand_off_killed_before_its_first_checkpoint_logs_its_step_0_once(run_
         return [(r["step"], "val_mlm" in r) for r in map(json.loads, open(run / "log.jsonl"))]
     assert steps(out) == steps(tmp_path / "straight") == [(0, True), (1, False), (2, False), (2, True)]
     assert capsys.readouterr().out.count("decay step 0 (before the first step)") == 3
+
+
+def test_a_schedule_flag_is_refused_where_the_schedule_does_not_read_it_as_written(monkeypatch):
+    """Which flags a schedule reads is found by calling its shape as written: a shape added to SCHEDULES that reads
+    final_lr_frac takes --final_lr_frac, and the constant schedule, which reads none, still refuses it, naming the
+    new shape among those that read it; --tokens and --schedule_tokens (the budget) are every schedule's."""
+    monkeypatch.setitem(train.SCHEDULES, "cosine", lambda t, end, cfg: cfg.final_lr_frac + (1 - cfg.final_lr_frac) * (
+        1 + math.cos(math.pi * min(1.0, t / end))) / 2)
+
+    def check(*argv):
+        given, _ = flag_rules.parse(list(argv), train.Config)
+        flag_rules.check_schedule_flags(train.resolve_config(given), given, train.SCHEDULES)
+
+    check("--schedule=cosine", "--final_lr_frac=0.2", "--tokens=1e6", "--schedule_tokens=2e6")
+    with pytest.raises(InputError, match=r"^--final_lr_frac=0.2 changes nothing: the constant schedule does not "
+                                         r"read it \(1-sqrt, wsd and cosine do"):
+        check("--final_lr_frac=0.2")
