@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from machinery.cli import source_digest
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "GPU_REPORT_RESULTS"  # where tests/conftest.py appends each test's result as it ends (one JSON a line)
 
@@ -108,6 +110,15 @@ def git(*args):
         return ""
 
 
+def code_line():
+    """The code that ran: its git commit as the copy's metadata says it, and the digest of the files themselves
+    (cli.source_digest: every script and machinery/), which holds where a copy's git metadata is stale or absent:
+    compare it with `python -c "from machinery.cli import source_digest; print(source_digest()[:16])"`."""
+    commit = git("rev-parse", "--short", "HEAD") or "no git commit"
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"{commit}{dirty}; source digest {source_digest()[:16]}"
+
+
 def environment(device):
     """What ran the report: GPU, driver, versions and the code's commit, as (name, value) pairs."""
     import torch
@@ -117,14 +128,12 @@ def environment(device):
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         smi = "nvidia-smi did not answer"
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
     return [("GPU", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}, "
                     f"{p.multi_processor_count} SMs"),
             ("driver, max SM and memory clocks, power limit", smi),
             ("PyTorch", f"{torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})"),
             ("Triton", version("triton")), ("transformers", version("transformers")),
-            ("flash-attn", version("flash-attn")), ("Python", sys.version.split()[0]), ("code", commit + dirty)]
+            ("flash-attn", version("flash-attn")), ("Python", sys.version.split()[0]), ("code", code_line())]
 
 
 def header(started, command, minutes, limit, env):

@@ -307,6 +307,16 @@ def test_gpu_report_writes_the_suite_the_kernels_and_the_levers_in_one_file(repo
     assert abs(ours_loss - peer_loss) <= 1e-3  # the same computation on the same batch
 
 
+def test_the_reports_code_line_names_the_files_themselves(monkeypatch):
+    """The report's "code" row: the commit as git says it, and the digest of the files, which still names the code
+    where a copy's git metadata is stale (a device machine's copy of a working tree) or absent."""
+    from machinery.cli import source_digest
+    digest = source_digest()[:16]
+    assert bench.gpureport.code_line().endswith(f"; source digest {digest}")
+    monkeypatch.setattr(bench.gpureport, "git", lambda *args: "")  # no git at all
+    assert bench.gpureport.code_line() == f"no git commit; source digest {digest}"
+
+
 def test_gpu_report_runs_what_fits_in_its_time(tmp_path):
     """Training rows that would end past --minutes are listed as not run, and the report fails (it is incomplete)."""
     status, stdout, markdown, _ = cpu_gpu_report(tmp_path, ROW_SECONDS=10**9, SUITE="python -c pass")
