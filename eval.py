@@ -600,8 +600,9 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     tok = model_tokenizer(info, tokenizer)
     check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds"),
                                    *model_files([info], [tok])])
-    device, seed_dir = pick_device(device), seed_folder(out)  # a folder that cannot be written: here
+    device = pick_device(device)
     base = load_weights(info, device)
+    seed_dir = seed_folder(out)  # one that cannot be written ends here, before training; made once the weights load
     s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, steps=steps, evals=evals, lr=lr,
                 max_len=max_len, train_subset=train_subset, dev_subset=dev_subset,

@@ -216,10 +216,13 @@ REFUSED_AFTER_LOADING = [  # a model or a run that loads and then cannot be trus
 
 
 @pytest.mark.parametrize("argv, expected", REFUSED_AFTER_LOADING, ids=[case_id(c) for c in REFUSED_AFTER_LOADING])
-def test_models_and_scores_that_are_not_finite_are_refused(inputs, nan_model, argv, expected, capsys):
+def test_models_and_scores_that_are_not_finite_are_refused(inputs, nan_model, argv, expected, capsys, tmp_path,
+                                                           monkeypatch):
     bad = make_model(inputs["root"] / "badweights", 0, **BYTE_IDS)
     (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    monkeypatch.chdir(tmp_path)  # where a finetune without --out writes results.json and results.seeds/
     code = run_main(argv, {**inputs, "nan": str(nan_model)})
+    assert not (tmp_path / "results.seeds").exists()  # weights refused: no folder made for seeds never trained
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
     assert not (inputs["root"] / "div.json").exists()  # no score of a diverged run is written
