@@ -289,7 +289,8 @@ def check_finite(loss, grad_norm, step, cfg):
 
 @contextlib.contextmanager
 def out_of_memory_explained(r):
-    """An allocation that fails inside (machinery/cli.py's out_of_memory) is raised again as out_of_memory's InputError."""
+    """An allocation that fails inside the block (cli.py's out_of_memory says which) is raised again as the
+    InputError of out_of_memory below: the sizes the step tried and what to lower."""
     try:
         yield
     except Exception as e:
@@ -446,7 +447,8 @@ def check_schedule_flags(cfg, given, schedules):
     """A schedule's flag given on the command line (a field that some shape of `schedules` reads, with these
     settings or the defaults) that this run's schedule does not read is an InputError: it would change nothing."""
     read = schedule_reads(schedules[cfg.schedule], cfg)
-    readers = {name: schedule_reads(shape, cfg) | schedule_reads(shape, type(cfg)()) for name, shape in schedules.items()}
+    readers = {name: schedule_reads(shape, cfg) | schedule_reads(shape, type(cfg)())
+               for name, shape in schedules.items()}
     budget = ("tokens", "schedule_tokens")  # read by every run, whatever its schedule
     unread = [k for k in given if k not in budget and k not in read and any(k in r for r in readers.values())]
     if unread:
