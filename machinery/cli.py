@@ -267,7 +267,7 @@ def same_file(a, b):
 
 # A model folder's files (Hugging Face's, and those of a run of train.py): a result written over one of them leaves
 # a model that no longer loads, is no longer the model trained, or has lost its card or its log (a run's loss.png
-# is not among them: any save or `python -m machinery.curves RUN` draws it again).
+# is not among them: any save or `python eval.py curves RUN` draws it again).
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "README.md", "run.json", "log.jsonl")
 

@@ -1,8 +1,7 @@
 """Loss pictures from log.jsonl, across phase hand-offs and across runs. A reader of the recipe may skip this file.
 
 A run's picture shows its train and validation losses and learning rate against tokens, with the runs it
-continues before it on the same axis (a detour and its decay read as one curve). The command is eval.py's
-(`python -m machinery.curves ...` runs it too):
+continues before it on the same axis (a detour and its decay read as one curve). The command is eval.py's:
 
     python eval.py curves out/clm25-mlm                          # draws out/clm25-mlm/loss.png again
     python eval.py curves out/clm25-mlm out/mlm --out=cmp.png    # several runs, one colour each
@@ -14,7 +13,7 @@ import os
 import sys
 
 from machinery import rundir
-from machinery.cli import InputError, check_outputs, read_json, run
+from machinery.cli import InputError, check_outputs, read_json
 
 _said = set()  # the messages this process has printed: each is said once, however often the trainer draws
 
@@ -328,7 +327,3 @@ def draw(runs, out=None, names=None):
     check_outputs("--out", [out] if out else [], [os.path.join(runs[0], "log.jsonl")])
     return draw_run(runs[0], out)
 
-
-if __name__ == "__main__":  # the command is eval.py's; this name runs it too
-    import eval
-    run(eval.main, ["curves", *sys.argv[1:]])

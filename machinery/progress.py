@@ -327,7 +327,7 @@ def summary(r, total_steps, signalled, elapsed, learning_rate):
           f"{card})\n"
           f"its losses: {picture}{out}/log.jsonl" + ("" if picture else f" (no picture: the loss picture was not "
                                                                        f"drawn at the last save, see above; python "
-                                                                       f"-m machinery.curves {out} draws it)") + "\n"
+                                                                       f"eval.py curves {out} draws it)") + "\n"
           + "".join(f"tracked:    {line}\n" for line in tracking.where(cfg.log_to, out, r.tracker.failed)) +
           f"use it:     python -c \"from transformers import pipeline; "
           f"print(pipeline('fill-mask', model='{out}')('Return the [MASK] of the list.'))\"")
@@ -413,7 +413,7 @@ def card(r, learning_rate):
               *(["```bash", *(f"{line}   # {why}" for _, line, why in hints), "```"] if hints else
                 ["Nothing: the recipe ends with this phase."]), "",
               "`log.jsonl` holds every step's record" + (", `loss.png` draws them" if written(r, "loss.png") else
-                                                          " (`python -m machinery.curves` draws them)")
+                                                          " (`python eval.py curves RUN` draws them)")
               + "; `checkpoints/` (with the optimizer state) is what `--resume` reads, not needed to use the model.",
               "",
               "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]

@@ -186,8 +186,8 @@ def carve_dev(task, dev_min):
 
 
 def split_sizes(examples, dev_split):
-    """The examples of each split, as a task's first line says them: "N/N/N examples", and where dev took some
-    from train (carve_dev), how many."""
+    """The examples of each split, as a task's first line says them: "N/N/N examples", and how many dev took
+    from the train split where it took some (carve_dev)."""
     sizes = f"{'/'.join(str(len(examples[split])) for split in SPLITS)} examples"
     carved = dev_split["carved_from_train"]
     return sizes + (f" (dev: {dev_split['own']} of its own and {carved} moved from train, --dev_min="

@@ -2,7 +2,6 @@
 parents) and the loss pictures (a PNG of the requested pixel size, one colour per run, no matplotlib)."""
 import json
 import os
-import runpy
 import sys
 
 import pytest
@@ -229,10 +228,8 @@ def test_without_matplotlib_it_says_so_once_and_draws_nothing(tmp_path, monkeypa
     assert not os.path.exists(os.path.join(run, "loss.png")) and not os.path.exists(tmp_path / "cmp.png")
 
 
-@pytest.mark.filterwarnings("ignore:'machinery.curves' found in sys.modules")  # runpy, run in this process
-def test_command_line(tmp_path, capsys, monkeypatch):
-    """One command draws curves, eval.py's: a run's own picture (its loss.png by default) or several runs';
-    `python -m machinery.curves` runs it too."""
+def test_command_line(tmp_path, capsys):
+    """One command draws curves, eval.py's: a run's own picture (its loss.png by default) or several runs'."""
     pytest.importorskip("matplotlib")
     import eval as ev
     a = make_run(tmp_path / "a", phase_log("mlm", 3, 10))
@@ -248,10 +245,6 @@ def test_command_line(tmp_path, capsys, monkeypatch):
                           ([a, "--names=x"], "one run's picture"), ([str(tmp_path)], "no log.jsonl")]:
         with pytest.raises(InputError, match=message):
             ev.main(["curves", *argv])
-    forwarded = str(tmp_path / "forwarded.png")
-    monkeypatch.setattr(sys, "argv", ["machinery/curves.py", a, f"--out={forwarded}"])
-    runpy.run_module("machinery.curves", run_name="__main__")
-    assert os.path.isfile(forwarded) and capsys.readouterr().out.startswith(f"wrote {forwarded}")
 
 
 # --- a continued run's curve starts at its start; each train loss says what it measures ------------------------
