@@ -564,7 +564,8 @@ def compare_task(loaded, reference, task, kind_of):
         d["verdict"] = verdict(d["low"], d["high"]) if ranked else "no verdict: the reference is not informative"
         rows[arm]["difference"] = d
     n_dev = counts["dev"][reference].shape[2]
-    spent = {arm: [budget(r, task) for _, r in loaded[arm][row["setting"]]] for arm, row in rows.items()}
+    spent = {arm: [budget(loaded[arm][setting][r][1], task) for r, chosen in enumerate(row["chosen"])
+                   for setting in dict.fromkeys(chosen)] for arm, row in rows.items()}  # each run at its setting
     mixed = len({tuple(b.items()) for runs in spent.values() for b in runs}) > 1
     return {"kind": kind.name, "metric": metric, "baseline": first["baseline"], "seeds": seeds,
             "ner_mode": first.get("ner_mode"), "replicates": len(test[reference]), "reference": reference,

@@ -369,6 +369,18 @@ def test_the_setting_is_chosen_on_dev_and_test_is_read_for_it_alone(tmp_path):
     assert cmp.choose_on_dev({"1": [0.5, 0.7], "2": [0.6, 0.6]}) == "1"  # a tie goes to the first
 
 
+def test_replicates_that_choose_different_settings_are_compared_each_at_its_own(tmp_path):
+    """Replicate 0 is far better than the others on dev at setting 1: chosen on the others' dev scores, it takes
+    setting 2 and replicates 1 and 2 take setting 1 (as a study's learning rates can fall). The comparison reads each
+    at its own setting, names both, and checks what each run's fine-tuning spent (this once raised a KeyError)."""
+    hi, lo = arm(tmp_path, "hi", {"s": (0.95, 0.6)}, R=1)["s"], arm(tmp_path, "lo", {"s": (0.3, 0.6)}, R=2)["s"]
+    x = {"1": [hi[0], *lo], "2": arm(tmp_path, "mid", {"s": (0.5, 0.6)})["s"]}
+    t = cmp.compare({"ref": arm(tmp_path, "ref", {"1": (0.6, 0.6)}), "x": x}, ev.kind_of)["tasks"]["t"]
+    row = t["arms"]["x"]
+    assert [c[0] for c in row["chosen"]] == ["2", "1", "1"] and row["setting"] == "2, 1"
+    assert "mixed_budgets" not in t and row["difference"]["verdict"]
+
+
 def test_a_runs_setting_is_chosen_on_the_other_runs_dev_scores():
     """Replicate r's setting is chosen on the other replicates' dev scores (with one replicate, seed s's on the other
     seeds'): here replicate 1's own luck on setting a would pick a for all; apart, it gets b."""
