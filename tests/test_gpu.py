@@ -132,8 +132,8 @@ def torchrun_command(*flags, nproc=1):
             str(ROOT / "train.py"), *flags]
 
 
-def torchrun(*flags):
-    result = subprocess.run(torchrun_command(*flags), capture_output=True, text=True, timeout=600)
+def torchrun(*flags, env=None):
+    result = subprocess.run(torchrun_command(*flags), capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -208,31 +208,47 @@ def kill_after_next_checkpoint(proc, out, stamp):
 
 
 # Kill-and-resume, five times with inductor's deterministic mode (gpu-report runs them beside the other tests, so
-# other processes share the GPU), once with dropout (the CUDA RNG's restore counts), and a control without the mode.
-RESUMES = [pytest.param([], id=f"deterministic-{i}") for i in range(1, 6)] + [
-    pytest.param(["--dropout=0.1"], id="dropout"), pytest.param(["--deterministic=false"], id="control")]
+# other processes share the GPU), two of them with compile caches of their own, once with dropout (the CUDA RNG's
+# restore counts), and twice as a control without the mode.
+RESUMES = [pytest.param([], False, id=f"deterministic-{i}") for i in (1, 2, 3)] + [
+    pytest.param([], True, id=f"deterministic-own-caches-{i}") for i in (4, 5)] + [
+    pytest.param(["--dropout=0.1"], False, id="dropout")] + [
+    pytest.param(["--deterministic=false"], False, id=f"control-{i}") for i in (1, 2)]
 
 
-@pytest.mark.parametrize("flags", RESUMES)
-def test_stop_kill_and_resume_equal_the_uninterrupted_run(flags, demo_corpus, tmp_path, record_property):
+def caches(own, folder, process):
+    """The environment of one training process: the machine's shared compile caches, or (own) inductor's and
+    Triton's in a folder of the process's own, so that nothing one process compiled is loaded by another: where
+    only the runs that share caches differ, the caches are the cause."""
+    if not own:
+        return None
+    where = folder / f"caches-{process}"
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"), "TRITON_CACHE_DIR": str(where / "triton")}
+
+
+@pytest.mark.parametrize("flags, own_caches", RESUMES)
+def test_stop_kill_and_resume_equal_the_uninterrupted_run(flags, own_caches, demo_corpus, tmp_path, record_property):
     """--max_steps stops the run with a checkpoint; --resume continues it, is SIGKILLed after its next
     checkpoint, and --resume finishes it: each step logged once, and the last loss within rounding of the
     uninterrupted run's (what a run on CUDA promises: kernels.resume_caveat); whether the weights are the same bit
-    for bit is recorded (on an H200, 2026-11-28: in none of the five with inductor's deterministic mode)."""
+    for bit is recorded (on an H200, 2026-11-28: in none of five with inductor's deterministic mode and shared
+    caches; in the one control)."""
     control = "--deterministic=false" in flags
     run = [*SMOKE, f"--data={demo_corpus}", f"--tokens={STEPS * STEP_TOKENS}", *flags]
     straight, out = tmp_path / "straight", tmp_path / "clm"
     both = [subprocess.Popen(torchrun_command(*run, *where), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True) for where in ([f"--out_dir={straight}"], [f"--out_dir={out}", "--max_steps=3"])]
+                             text=True, env=caches(own_caches, tmp_path, name))
+            for name, where in (("straight", [f"--out_dir={straight}"]), ("stopped", [f"--out_dir={out}", "--max_steps=3"]))]
     for proc in both:
         output = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, output[-3000:]
     assert [r["step"] for r in train_records(out)] == [1, 2, 3]
     again = ["--resume", f"--out_dir={out}", *(["--deterministic=false"] if control else [])]  # per invocation
     with open(tmp_path / "killed.txt", "w") as log:
-        proc = subprocess.Popen(torchrun_command(*again), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(torchrun_command(*again), stdout=log, stderr=subprocess.STDOUT,
+                                env=caches(own_caches, tmp_path, "killed"))
         assert kill_after_next_checkpoint(proc, out, weights_stamp(out)), "the run ended before the kill"
-    torchrun(*again)
+    torchrun(*again, env=caches(own_caches, tmp_path, "resumed"))
     assert [r["step"] for r in train_records(out)] == list(range(1, STEPS + 1))  # each step logged once
     want, got = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
     differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
