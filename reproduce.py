@@ -525,7 +525,8 @@ def report(out, study, scale, s, stages, plan, R):
     from machinery.compare import compare, compared, family
     from machinery.stages import stage_times
     runs = runs_summary(stages)
-    rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], runs=runs,
+    rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], code=plan["code"],
+               versions=plan.get("versions") or {}, runs=runs,  # {} in a plan written before versions were kept
                losses={title: losses(runs, models, base, R) for title, models, base in COMPARISONS[study]},
                finetune={}, per_setting=per_setting(out, s, study, R), time=stage_times(out, stages))
     for title, models, base in COMPARISONS[study]:
@@ -670,7 +671,10 @@ def what_was_run(rep, study, s, stages):
             ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {fine_tuning_budget(ft)}; "
                             f"{ft['max_len']} tokens; {lrs}; {len(seeds_)} seeds ({', '.join(seeds_)}) per model, "
                             f"replicate and lr"),
-            ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`")]
+            ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`"),
+            ("code", f"source digest `{rep['code'][:16]}` (every script and machinery module); "
+                     + (", ".join(f"{name} {version}" for name, version in rep["versions"].items())
+                        or "package versions not recorded (a plan written before they were)"))]
     if study == "detour":
         k = rep["cka"]["before"].get("controls", {}).get("k", 0)
         rows.insert(5, ("CKA", f"{s['cka']['n']} held-out texts x {len(s['cka']['seeds'].split(','))} draws, "

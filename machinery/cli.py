@@ -7,8 +7,10 @@ import difflib
 import functools
 import math
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import signal
 import sys
 from pathlib import Path
@@ -542,6 +544,32 @@ def _digest_of_sources(root):
         content = path.read_bytes()
         digest.update(f"{path.relative_to(root).as_posix()}\0{len(content)}\0".encode() + content)
     return digest.hexdigest()
+
+
+# The packages whose versions can change a number that is kept across commands: with the code (source_digest) they
+# name what computed a stage of reproduce.py, a fine-tuning seed, a checkpoint that --resume continues.
+PACKAGES = ("torch", "numpy", "tiktoken", "safetensors", "flash-attn")
+
+
+@functools.cache
+def versions():
+    """{"python": its version, package: version} for each of PACKAGES that is installed, read from the packages'
+    metadata (nothing is imported). torch's names its build (2.13.0+cpu, 2.11.0+cu130): the same code on another
+    build computes other roundings."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
+
+
+def changed_versions(before, now):
+    """'torch 2.11.0+cu130 -> 2.13.0+cpu, ...': the packages whose versions differ between two versions() records
+    ('' where none does; a record written before versions were kept reads as {}, and says nothing)."""
+    if not isinstance(before, dict) or not before:
+        return ""
+    names = [n for n in dict.fromkeys([*before, *now]) if before.get(n) != now.get(n)]
+    return ", ".join(f"{n} {before.get(n, 'absent')} -> {now.get(n, 'absent')}" for n in names)
 
 
 def write_text(path, text):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from machinery import cli, flags, kernels, tracking
-from machinery.cli import InputError, autocast, launcher
+from machinery.cli import InputError, autocast, changed_versions, launcher
 from machinery.curves import run_dir_of, saved_config
 from machinery.hf import check_saved, hub_id_problem
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
@@ -82,10 +82,15 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
     print(f"{where}; carries over: {', '.join(kept) or 'nothing'}"
           + (f"; fresh: {', '.join(fresh)}" if kept and fresh else ""))
     saved = state["config"] if state else {}
-    if how == "resume" and state["code"].get("sha256") != code_version()["sha256"]:  # resume promises bit for bit
+    now = code_version() if how == "resume" else {}  # resume promises bit for bit: with this code and packages
+    if now and state["code"].get("sha256") != now["sha256"]:
         print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (a script or a module of "
               f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was",
               file=sys.stderr)
+    if now and changed_versions(state["code"].get("versions"), now["versions"]):
+        print(f"warning: packages changed since {cfg.out_dir}'s checkpoint was written "
+              f"({changed_versions(state['code']['versions'], now['versions'])}): the resumed run goes on with "
+              f"these, not bit for bit with the run it was", file=sys.stderr)
     if how == "resume" and saved["tokens"] != cfg.tokens:
         print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
               f"their learning rates")

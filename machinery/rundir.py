@@ -45,7 +45,7 @@ import sys
 import threading
 import uuid
 
-from machinery.cli import InputError, Stop, read_json, source_digest, write_json
+from machinery.cli import InputError, Stop, read_json, source_digest, versions, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version asks git there
 RUN_FILE = "run.json"
@@ -651,7 +651,13 @@ def _code(value, field):
     def check(item, name):
         if not (item is None or type(item) is str and len(item) <= 256):
             raise _Bad(name, f"expected a string or null, got {_show(item)}")
-    return _object(value, field, check, 16)
+
+    def versions_or_check(item, name):
+        if name == f"{field}.versions":  # {package: version}: code_version's
+            _object(item, name, check, 16)
+        else:
+            check(item, name)
+    return _object(value, field, versions_or_check, 16)
 
 
 STATE_FIELDS = {  # field -> check(value, field); phase and config are checked against the caller's tables
@@ -744,14 +750,14 @@ def set_rng_state(state, device):
 
 
 def code_version():
-    """The git commit when there is one, and a hash of the code that ran (it may be uncommitted): every script
-    and this package (cli.source_digest)."""
+    """The git commit when there is one, a hash of the code that ran (it may be uncommitted): every script and this
+    package (cli.source_digest), and the versions of the packages it ran on (cli.versions)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"git": commit or None, "sha256": source_digest()[:16]}
+    return {"git": commit or None, "sha256": source_digest()[:16], "versions": versions()}
 
 
 def append_log(path, record):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machinery.cli import InputError, die_with, read_json, source_digest, write_json
+from machinery.cli import InputError, changed_versions, die_with, read_json, source_digest, versions, write_json
 from machinery.planfiles import check_plan, check_record
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
@@ -119,19 +119,21 @@ def in_out(path, out):
 
 def fingerprint(stages, out, study, scale):
     """The plan as OUT/plan.json keeps it: the code that runs it (every script and machinery module:
-    cli.source_digest); per stage its command, its inputs' content hashes and a fingerprint over both, the code
-    and the fingerprints of the stages it needs; and one fingerprint for the whole plan. An edit to any of the
-    code is another command: no stage's result outlives the code that made it."""
-    entries, code = {}, source_digest()
+    cli.source_digest) and the versions of the packages it runs on (cli.versions); per stage its command, its
+    inputs' content hashes and a fingerprint over both, the code, the versions and the fingerprints of the stages
+    it needs; and one fingerprint for the whole plan. An edit to any of the code, or another torch, is another
+    command: no stage's result outlives what computed it."""
+    entries, code, packages = {}, source_digest(), versions()
     for s in stages:
         inputs = {rel(p): content(str(p)) for p in s.inputs}
         command = shown(s.command, out)
         ups = [entries[n]["fingerprint"] for n in s.needs]
-        digest = hashlib.sha256(json.dumps([command, inputs, ups, code]).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps([command, inputs, ups, code, packages]).encode()).hexdigest()
         entries[s.name] = dict(fingerprint=digest, command=command, inputs=inputs)
-    whole = hashlib.sha256(json.dumps([study, code, {n: e["fingerprint"] for n, e in entries.items()}]).encode())
-    return dict(written_by="reproduce.py", study=study, scale=scale, code=code, fingerprint=whole.hexdigest(),
-                stages=entries)
+    whole = hashlib.sha256(json.dumps([study, code, packages, {n: e["fingerprint"] for n, e in entries.items()}])
+                           .encode())
+    return dict(written_by="reproduce.py", study=study, scale=scale, code=code, versions=packages,
+                fingerprint=whole.hexdigest(), stages=entries)
 
 
 def check_out(out, plan):
@@ -193,6 +195,9 @@ def differences(old, new):
     if old.get("code") != new["code"]:
         return (f"{old.get('study')} at scale {old.get('scale')}, run by other code: a .py file of the repository "
                 f"changed since (code {str(old.get('code'))[:12]}, now {new['code'][:12]})")
+    if old.get("versions") != new["versions"]:
+        return (f"{old.get('study')} at scale {old.get('scale')}, run on other packages: "
+                f"{changed_versions(old.get('versions'), new['versions']) or 'versions not recorded then'}")
     before, now = old["stages"], new["stages"]
     differ = [n for n in now if (before.get(n) or {}).get("fingerprint") != now[n]["fingerprint"]]
     own = {}

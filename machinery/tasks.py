@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.cli import InputError, read_json, save, sha256_file, source_digest
+from machinery.cli import InputError, read_json, save, sha256_file, source_digest, versions
 
 SPLITS = ("train", "dev", "test")
 
@@ -257,11 +257,11 @@ def load_results(path):
 
 def cached_seed(seed_dir, task, inputs, seed, compute):
     """A (task, seed) result of `eval.py finetune`: read from its file in seed_dir when an earlier call computed it
-    from the same inputs (settings, the model's weights, the task files' contents) and the same code (every script
-    and machinery module: cli.source_digest), else compute() -> (result, {"dev": rows, "test": rows}), written at
+    from the same inputs (settings, the model's weights, the task files' contents), the same code (every script
+    and machinery module: cli.source_digest) and the same packages (cli.versions), else compute() -> (result, {"dev": rows, "test": rows}), written at
     once. Returned with "predictions": that file, relative to the results file's folder (a comparison recomputes
     the metrics from its predictions)."""
-    key = {**inputs, "seed": seed, "code": source_digest()}
+    key = {**inputs, "seed": seed, "code": source_digest(), "versions": versions()}
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
     if path.is_file():
@@ -270,7 +270,7 @@ def cached_seed(seed_dir, task, inputs, seed, compute):
         result = saved.get("result") if ok else None
         if not scores_ok(result):
             raise InputError(f"{path}: not a result this command wrote; delete it")
-        print(f"  seed {seed}: skip, done in {path} (same settings, model, task files and code)")
+        print(f"  seed {seed}: skip, done in {path} (same settings, model, task files, code and packages)")
     else:
         result, predictions = compute()
         save(path, {"fingerprint": fingerprint, "inputs": key, "result": result, "predictions": predictions})

@@ -502,6 +502,10 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
             mp.setattr(cli, "REPOSITORY", source_copy(tmp_path / f"code-{edit and Path(edit).stem}", edit))
             ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **kw)
         assert ("skip, done in" in capsys.readouterr().out) == (edit is None), edit
+    with pytest.MonkeyPatch.context() as mp:  # and the packages: another torch build computes other roundings
+        mp.setattr("machinery.tasks.versions", lambda: {**cli.versions(), "torch": "2.11.0+cu130"})
+        ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "a.json", **kw)
+    assert "skip, done in" not in capsys.readouterr().out
     ev.finetune(byte_models[0], [task], seeds=(1, 2), out=tmp_path / "a.json", **kw)  # a.json as it was
 
     # a second model on seeds 2 and 3: compared on the seed both ran

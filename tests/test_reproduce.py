@@ -180,6 +180,8 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     lines = text.splitlines()
     assert lines[2].startswith("**Smoke scale") and "test the pipeline only" in lines[2]
     assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text and "3 seeds (42, 43, 44)" in text
+    from machinery import cli
+    assert report["versions"] == cli.versions() and "(every script and machinery module); python " in text
     assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "Trend with depth" in text
     assert "detectable (80% power)" in text and "10 moved from train" in text and "lr 0.001 (fixed, not chosen)" in text
     assert text.count("majority baseline") >= 3 and "Wall time:" in text and "Summed stage time:" in text
@@ -704,6 +706,26 @@ def test_an_experiment_run_by_other_code_is_refused(tmp_path, monkeypatch):
                                          r"code: a \.py file of the repository changed since"):
         stages.check_out(out, edited)
     assert not stages.stage_record(out, "cka", edited["stages"]["cka"]["fingerprint"])
+
+
+def test_an_experiment_run_on_other_packages_is_refused(tmp_path, monkeypatch):
+    """The versions of the packages are in every stage's fingerprint too: the same code on another torch build is
+    another command, refused naming the versions that changed; the plan records them and the report states them."""
+    from machinery import cli, stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    plan_of = [stages.Stage("cka", [sys.executable, "-c", WRITES, f"--out={out / 'cka.json'}"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    assert plan["versions"] == cli.versions()
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    stages.run(plan_of, out, plan, 1, 1)
+    monkeypatch.setattr(stages, "versions", lambda: {**cli.versions(), "torch": "2.11.0+cu130"})
+    other = stages.fingerprint(plan_of, out, "test", "unit")
+    assert other["stages"]["cka"]["fingerprint"] != plan["stages"]["cka"]["fingerprint"]
+    with pytest.raises(InputError, match=rf"\(test at scale unit, run on other packages: torch "
+                                         rf"{re.escape(cli.versions()['torch'])} -> 2\.11\.0\+cu130\)"):
+        stages.check_out(out, other)
 
 
 def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):

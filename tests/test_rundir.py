@@ -49,7 +49,8 @@ def make_state(step, phase="mlm"):
                 schedule_tokens_done=step * 64, loader={"sequence": step * 4, "split": "train", "data_seed": 42},
                 rng=[rundir.rng_state(torch.device("cpu"))], config={"lr": 2e-3, "seed": 17, "recipe": "demo",
                                                                     "compile": False},
-                code={"git": None, "sha256": "0" * 16}, tokenizer="bytes",
+                code={"git": None, "sha256": "0" * 16, "versions": {"python": "3.11.7", "torch": "2.13.0+cpu"}},
+                tokenizer="bytes",
                 history=[{"phase": "clm", "tokens": 100, "dir": "out/clm"}])
 
 
@@ -698,7 +699,8 @@ BAD_STATES = [  # (field to edit, bad value, the field the message names)
     ("rng.0.cpu", base64.b64encode(b"short").decode(), "rng[0].cpu"), ("rng.0", "x", "rng[0]"),
     ("rng.0.cpu", DELETE, "rng[0].cpu"), ("rng.0.cuda", 5, "rng[0].cuda"), ("files", "x", "files"),
     ("files.model.safetensors", -1, "files['model.safetensors']"), ("files.../x", 3, "files['../x']"),
-    ("code", "x", "code"), ("code.git", 5, "code.git"), ("tokenizer", 5, "tokenizer"),
+    ("code", "x", "code"), ("code.git", 5, "code.git"), ("code.versions", "2.13", "code.versions"),
+    ("code.versions.torch", 2.13, "code.versions.torch"), ("tokenizer", 5, "tokenizer"),
     ("tokenizer", DELETE, "tokenizer"), ("surprise", 1, "surprise"), ("phase_tokens", 1e30, "phase_tokens"),
     ("history.0.tokens", 1e30, "history[0].tokens"), ("history.0.extra", 1, "history[0]"),
     ("loader.sequence", 2 ** 70, "loader.sequence"), ("config.lr", 10 ** 400, "config.lr"),
@@ -821,8 +823,22 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
     for edit in (None, "eval.py", "machinery/cli.py"):
         monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / str(edit).replace("/", "-"), edit))
         versions[edit] = rundir.code_version()
-    assert versions[None] == {"git": None, "sha256": here}
+    assert versions[None] == {"git": None, "sha256": here, "versions": cli.versions()}
     assert len({v["sha256"] for v in versions.values()}) == 3
+
+
+def test_the_versions_a_result_records_are_the_installed_packages():
+    """cli.versions reads the packages' metadata without importing them: the same versions the imported packages
+    report (torch's with its build), and changed_versions names what differs between two records."""
+    import numpy
+    import safetensors
+    from machinery import cli
+    found = cli.versions()
+    assert found["torch"] == torch.__version__ and found["numpy"] == numpy.__version__
+    assert found["safetensors"] == safetensors.__version__ and found["python"] == sys.version.split()[0]
+    assert cli.changed_versions(found, found) == "" and cli.changed_versions({}, found) == ""
+    assert cli.changed_versions({**found, "torch": "2.11.0+cu130", "made-up": "2.8.3"}, found) == \
+        f"torch 2.11.0+cu130 -> {torch.__version__}, made-up 2.8.3 -> absent"
 
 
 def test_append_log_writes_strict_json_lines(tmp_path):

@@ -269,8 +269,17 @@ def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path,
     from machinery import progress
     real = progress.code_version
     monkeypatch.setattr(progress, "code_version", lambda: {**real(), "sha256": "an edited data.py"})
+    run(corpus, tmp_path / "run", "--resume", "--max_steps=2")
+    err = capsys.readouterr().err
+    assert "warning: the code changed since" in err and "packages changed" not in err
+    # the same code on another torch: also not bit for bit, and the warning names what changed
+    monkeypatch.setattr(progress, "code_version", lambda: {**real(), "versions": {**real()["versions"],
+                                                                                  "torch": "2.11.0+cu130"}})
     run(corpus, tmp_path / "run", "--resume")
-    assert "warning: the code changed since" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: the code changed" not in err
+    assert f"warning: packages changed since {tmp_path / 'run'}'s checkpoint was written (torch " \
+           f"{real()['versions']['torch']} -> 2.11.0+cu130)" in err
 
 
 def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypatch, capsys):
