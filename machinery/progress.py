@@ -87,10 +87,10 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
         print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (a script or a module of "
               f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was",
               file=sys.stderr)
-    if now and changed_versions(state["code"].get("versions"), now["versions"]):
-        print(f"warning: packages changed since {cfg.out_dir}'s checkpoint was written "
-              f"({changed_versions(state['code']['versions'], now['versions'])}): the resumed run goes on with "
-              f"these, not bit for bit with the run it was", file=sys.stderr)
+    changed = changed_versions(state["code"].get("versions"), now["versions"]) if now else ""
+    if changed:
+        print(f"warning: packages changed since {cfg.out_dir}'s checkpoint was written ({changed}): the resumed "
+              f"run goes on with these, not bit for bit with the run it was", file=sys.stderr)
     if how == "resume" and saved["tokens"] != cfg.tokens:
         print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
               f"their learning rates")

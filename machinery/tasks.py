@@ -258,9 +258,9 @@ def load_results(path):
 def cached_seed(seed_dir, task, inputs, seed, compute):
     """A (task, seed) result of `eval.py finetune`: read from its file in seed_dir when an earlier call computed it
     from the same inputs (settings, the model's weights, the task files' contents), the same code (every script
-    and machinery module: cli.source_digest) and the same packages (cli.versions), else compute() -> (result, {"dev": rows, "test": rows}), written at
-    once. Returned with "predictions": that file, relative to the results file's folder (a comparison recomputes
-    the metrics from its predictions)."""
+    and machinery module: cli.source_digest) and the same packages (cli.versions), else compute() -> (result,
+    {"dev": rows, "test": rows}), written at once. Returned with "predictions": that file, relative to the results
+    file's folder (a comparison recomputes the metrics from its predictions)."""
     key = {**inputs, "seed": seed, "code": source_digest(), "versions": versions()}
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     path = seed_dir / f"{task['name']}-seed{seed}-{fingerprint[:12]}.json"
