@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from machinery.cli import InputError
 from machinery.hf import check_config, read_config, read_weights, replace_config, resolve_checkpoint, write_checkpoint
 # BACKENDS: the one table of attention backends (train.py and bench.py take it from here)
-from machinery.kernels import (BACKENDS, IGNORE_INDEX, backend_for, check_fused, labelled,  # noqa: F401
+from machinery.kernels import (BACKENDS, IGNORE_INDEX, backend_for, check_fused, labelled, page_backend,  # noqa: F401
                                linear_cross_entropy)
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,9 @@ def apply_rope(x, cos, sin):
 # Attention, written out: which keys a query may see, then softmax(q k^T / sqrt(D)) v over them. MLM and CLM
 # differ here only, in `causal`. machinery/kernels.py computes the same attention faster (SDPA and FlexAttention
 # with this rule as their mask, flash-attn with it as sequence lengths and a window) and picks the fastest the
-# device has; backend="reference" runs this one, and tests/test_backends.py holds every backend equal to it.
+# device has; backend="reference" runs this one, and tests/test_backends.py holds every backend equal to it. An
+# edit here trains: the model checks at start that these two still compute what the fast backends do, and runs the
+# reference, saying so, where they do not (kernels.page_backend).
 
 
 def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
@@ -230,7 +232,9 @@ class ModernBERT(nn.Module):
 
     def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
-        self.config, self.backend = config, backend  # backend: a name in BACKENDS, or "auto"
+        self.config = config
+        # a name in BACKENDS, or "auto"; if the attention above was edited, the reference: the only one that runs it
+        self.backend = page_backend(backend, reference_attention, mask_rule)
         self.loss = loss  # a name in LOSSES; "fused" is refused if cross_entropy above was edited
         if loss == "fused":
             check_fused(cross_entropy)

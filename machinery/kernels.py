@@ -3,6 +3,8 @@ linear cross-entropy: how model.py's attention and loss run fast on a GPU. A rea
 this file: model.py's reference_attention and F.cross_entropy compute the same numbers."""
 import functools
 import inspect
+import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +189,58 @@ class Reference(SDPA):
     @staticmethod
     def nondeterminism(device):  # matrix products and a softmax
         return None
+
+
+@functools.cache  # once per process: the page does not change while it runs
+def attention_gap(reference, rule):
+    """How far model.py's attention as it is now (`reference` over `rule`'s masks) is from what every other backend
+    computes, on small random batches in float64: the largest difference over the real tokens' outputs. The other
+    backends compute the attention as first written (tests/test_backends.py holds them equal to it); an edit on the
+    page (a soft cap on the scores, a prefix-LM mask) is not theirs. What they compute is written here again, apart
+    from model.py, so that an edit there shows: SDPA over the keys of the query's own document and window, never
+    padding, none after the query when causal, the query itself always. NaN where the page gives NaN."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D, window = 2, 12, 2, 4, 2
+    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    i = torch.arange(T)
+    real = i < torch.tensor([[T], [T - 3]])  # (B, T): the second sequence ends in padding
+    doc_ids = (i >= torch.tensor([[5], [T]])).long()  # (B, T): the first holds two documents
+    gaps = []
+    for causal, local, masked in itertools.product((False, True), repeat=3):
+        see = torch.ones(B, T, T, dtype=torch.bool)  # (B, T, T): query i, key j
+        if causal:
+            see &= i[:, None] >= i[None, :]
+        if local:
+            see &= (i[:, None] - i[None, :]).abs() <= window
+        if masked:
+            see &= (doc_ids[:, :, None] == doc_ids[:, None, :]) & real[:, None, :]
+        see |= torch.eye(T, dtype=torch.bool)
+        want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=see[:, None])
+        got = reference(q, k, v, rule(causal, window, local, *((real, doc_ids) if masked else (None, None))))
+        rows = real if masked else torch.ones_like(real)
+        gaps.append((got - want.transpose(1, 2))[rows].abs().max())
+    return torch.stack(gaps).max().item()
+
+
+def page_backend(requested, reference, rule):
+    """The backend a model built with `requested` runs, given model.py's attention as it is now (`reference`,
+    `rule`): `requested` while the page computes what the backends do (attention_gap), else the reference, the only
+    one that runs an edit. auto then takes it and says so; a fast backend named is refused (it would train the
+    attention as first written, not the page's)."""
+    gap = attention_gap(reference, rule) if requested != "reference" else 0.0
+    if gap <= 1e-9:  # float64: an edit that changes the numbers at all shows far above this
+        return requested
+    if requested == "auto":
+        _say_once(f"warning: model.py's attention (reference_attention, mask_rule) computes something else than the "
+                  f"fast backends do ({gap:.2g} apart on a test batch): it runs as written, on the reference backend "
+                  f"(every score materialised: slower, more memory)")
+        return "reference"
+    raise InputError(f"attention backend {requested!r} computes model.py's attention as first written, and "
+                     f"reference_attention or mask_rule there now compute something else ({gap:.2g} apart on a test "
+                     f"batch): train with the attention on the page (--backend=reference, or auto, which picks it)")
+
+
+_say_once = functools.cache(lambda text: print(text, file=sys.stderr, flush=True))
 
 
 # shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)

@@ -126,6 +126,41 @@ def test_auto_never_picks_the_reference():
         kernels.pick_backend(cpu, "referense")
 
 
+@pytest.mark.parametrize("edit", ["reference_attention", "mask_rule"])
+def test_an_edit_to_the_attention_on_the_page_is_what_runs(monkeypatch, capsys, edit):
+    """The fast backends compute model.py's attention as first written. While the page computes the same (however
+    written) auto picks them; once it is edited (sharper scores; a prefix of keys every query sees) the model runs
+    the page on the reference backend and says so once, and a fast backend asked for by name is refused."""
+    def attentive():  # attention weighs in the output (at init its projections are too small for an edit to show)
+        model = tiny_model(seed=1)
+        with torch.no_grad():
+            for block in model.model.layers:
+                block.attn.Wqkv.weight.mul_(20)
+                block.attn.Wo.weight.mul_(20)
+        return model
+
+    ids = torch.randint(3, 200, (2, 160), generator=torch.Generator().manual_seed(0))  # past the 64-key window
+    want = {causal: attentive().encode(ids, causal=causal) for causal in (False, True)}
+    plain = getattr(M, edit)
+    same = {"reference_attention": lambda q, k, v, keep: plain(q, k, v, keep), "mask_rule": lambda *a: plain(*a)}
+    monkeypatch.setattr(M, edit, same[edit])
+    assert tiny_model(seed=1).backend == "auto" and "warning" not in capsys.readouterr().err
+    edited = {"reference_attention": lambda q, k, v, keep: plain(1.5 * q, k, v, keep),
+              "mask_rule": lambda *a: (lambda keep: lambda b, h, i, j: keep(b, h, i, j) | (j < 4))(plain(*a))}
+    monkeypatch.setattr(M, edit, edited[edit])
+    model = attentive()
+    assert model.backend == "reference"
+    assert capsys.readouterr().err.startswith("warning: model.py's attention (reference_attention, mask_rule) computes")
+    for causal in (False, True):  # the edit is what the model computes now, causal or not
+        assert (model.encode(ids, causal=causal) - want[causal]).abs().max().item() > 1e-2
+    assert tiny_model(seed=1).backend == "reference" and capsys.readouterr().err == ""  # said once
+    assert M.ModernBERT(model.config, "reference").backend == "reference"
+    with pytest.raises(InputError, match=r"^attention backend 'sdpa' computes model.py's attention as first written, "
+                                         r"and reference_attention or mask_rule there now compute something else "
+                                         r"\([0-9.e-]+ apart on a test batch\): train with .*--backend=reference"):
+        M.ModernBERT(model.config, "sdpa")
+
+
 # --- flash-attn and FlexAttention against SDPA through the model -------------------------------------------------
 
 
