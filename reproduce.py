@@ -57,7 +57,7 @@ from machinery.cli import (InputError, Parser, positive_float, positive_int, rea
                            write_json, write_text)
 from machinery.hf import hub_id_problem
 from machinery.planfiles import read_components  # a report's variance components, checked field by field
-from machinery.stages import Stage, check_out, fingerprint, run, shown, stage_record
+from machinery.stages import Stage, check_out, check_unchanged, fingerprint, run, shown, stage_record
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared" / "data"  # this project's machines keep the data beside a checkout (never copied in)
@@ -862,6 +862,7 @@ def main(argv=None):
     print(f"reproduce: study {a.study}, scale {a.scale}, {len(stages)} stages, {a.jobs} at a time, into {out}")
     t0 = time.time()
     run(stages, out, plan, a.jobs, usable_cores())
+    check_unchanged(plan)
     report(out, a.study, a.scale, s, stages, plan, a.replicates)
     print(f"all stages finished; this invocation took {time.time() - t0:.0f} s")
 

@@ -63,6 +63,7 @@ def run(main, argv=None):
     so does a collective that waited past its timeout (a peer stalled or died), never a hang. A stop (Ctrl-C, or
     a SIGTERM the command turned into one) is one line too, never a traceback."""
     try:
+        check_planned_code()  # reads the code now, as near its imports as a process gets: what it records ran
         return main(argv)
     except InputError as e:
         if e.every_rank or reports_errors():
@@ -529,12 +530,13 @@ def sha256_file(path):
 REPOSITORY = Path(__file__).resolve().parent.parent  # the scripts and machinery/: all the code a result comes from
 
 
-def source_digest():
+def source_digest(now=False):
     """The hex SHA-256 of every .py file of the repository's scripts and of machinery/ (their names and contents):
     all the code that can change a result kept across commands (a fine-tuning seed, a study's stage, the code a
-    checkpoint was written by), not a list of files that an edit elsewhere would slip past. Read once per process,
-    as the code it describes was imported once."""
-    return _digest_of_sources(REPOSITORY)
+    checkpoint was written by), not a list of files that an edit elsewhere would slip past. Read once per process
+    (at its start: `run`), as the code it describes was imported once; `now`: read the files again (a study's
+    driver: has the code changed since it began?)."""
+    return _digest_of_sources.__wrapped__(REPOSITORY) if now else _digest_of_sources(REPOSITORY)
 
 
 @functools.cache
@@ -561,6 +563,30 @@ def versions():
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
     return found
+
+
+PLANNED = "REPRODUCE_PLANNED"  # set by reproduce.py in each stage's environment: what its experiment was planned with
+
+
+def check_planned_code():
+    """In a stage of a reproduce.py experiment: an InputError unless this process runs the code and the packages the
+    experiment was planned with (PLANNED, JSON: {"code": source_digest(), "versions": versions()}). An edit made
+    while a study runs would otherwise reach the stages that start after it, under the plan's name."""
+    planned, now = json.loads(os.environ.get(PLANNED) or "null"), source_digest()
+    if planned is None:
+        return
+    if planned["code"] != now:
+        what = (f"other code than its experiment was planned with ({planned['code'][:12]} then, {now[:12]} now: a .py "
+                f"file of the repository changed while the experiment ran)")
+    elif changed_versions(planned["versions"], versions()):
+        what = (f"on other packages than its experiment was planned with "
+                f"({changed_versions(planned['versions'], versions())})")
+    else:
+        return
+    raise InputError(f"this stage of a reproduce.py experiment would run {what}, and its results would be reported "
+                     f"under the plan's name. Restore what the experiment started with and run the same command "
+                     f"again (the finished stages stay), or choose a new --out; a long study is best run from a copy "
+                     f"of the code that nobody edits (git worktree add DIR COMMIT)")
 
 
 def changed_versions(before, now):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machinery.cli import InputError, changed_versions, die_with, read_json, source_digest, versions, write_json
+from machinery.cli import PLANNED, InputError, changed_versions, die_with, read_json, source_digest, versions, write_json
 from machinery.planfiles import check_plan, check_record
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there
@@ -229,7 +229,8 @@ def stage_record(out, name, fingerprint_):
     return check_record(saved, path) if ours else {}
 
 
-def launch(stage, out, fingerprint_, threads):
+def launch(stage, out, fingerprint_, threads, planned):
+    """Start a stage's process (`planned`: the code and packages of the plan, which the process checks it runs)."""
     command, verb = stage.command, "run"
     if stage.run_dir and has_checkpoint(stage.run_dir):
         trainer_end = command.index(str(ROOT / "train.py")) + 1  # an interrupted training continues exactly
@@ -242,7 +243,7 @@ def launch(stage, out, fingerprint_, threads):
     log = open(out / "logs" / f"{stage.name}.log", "a")
     # die_with: no stage outlives its driver (a SIGTERM would let it save while a rerun starts beside it)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", PLANNED: planned},
                             preexec_fn=functools.partial(die_with, os.getpid()))
     return stage, proc, log, time.time()
 
@@ -286,6 +287,7 @@ def run(stages, out, plan, jobs, cores):
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "stages").mkdir(exist_ok=True)
     fps = {n: e["fingerprint"] for n, e in plan["stages"].items()}
+    planned = json.dumps(dict(code=plan["code"], versions=plan["versions"]))  # each stage refuses other code
     done = {s.name for s in stages if stage_record(out, s.name, fps[s.name]).get("finished")}
     for s in stages:
         if s.name in done:
@@ -300,7 +302,7 @@ def run(stages, out, plan, jobs, cores):
                 # fixed per stage (kept by a resume), so that a rerun computes the same numbers
                 threads = stage_record(out, stage.name, fps[stage.name]).get("threads") or \
                     (cores if stage.solo else max(1, cores // jobs))
-                running[stage.name] = launch(stage, out, fps[stage.name], threads)
+                running[stage.name] = launch(stage, out, fps[stage.name], threads, planned)
             time.sleep(0.05)
             if stop:
                 end(running, stop)
@@ -333,6 +335,16 @@ def run(stages, out, plan, jobs, cores):
         print(f"error: stage(s) {', '.join(failed)} failed; fix the cause and run the same command again",
               file=sys.stderr)
         raise SystemExit(1)
+
+
+def check_unchanged(plan):
+    """An InputError if the code on disk is no longer the code the experiment was planned with: what reads it now
+    (the report's modules) would be other code than the stages ran."""
+    if source_digest(now=True) != plan["code"]:
+        raise InputError(f"every stage has finished, but the code changed while the experiment ran (a .py file of the "
+                         f"repository; {plan['code'][:12]} then, {source_digest(now=True)[:12]} now): the report would "
+                         f"be written by other code. Restore what the experiment started with and run the same command "
+                         f"again (no stage runs again)")
 
 
 def stage_times(out, stages):

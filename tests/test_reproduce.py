@@ -728,6 +728,36 @@ def test_an_experiment_run_on_other_packages_is_refused(tmp_path, monkeypatch):
         stages.check_out(out, other)
 
 
+def test_no_stage_starts_under_code_or_packages_its_experiment_was_not_planned_with(tmp_path, monkeypatch):
+    """An edit (or a pip install) while a study runs: each stage is handed the plan's code and packages and refuses
+    to start under others, its log saying why; it is not finished and no stage after it starts. With the planned
+    code the same run finishes them. The driver will not write the report once the code on disk is not the plan's."""
+    from machinery import cli, stages
+    from machinery.cli import InputError
+    out = tmp_path / "exp"
+    plan_of = [stages.Stage("help", [sys.executable, str(ROOT / "data.py"), "--help"], threaded=False),
+               stages.Stage("cka", [sys.executable, "-c", WRITES, f"--out={out / 'cka.json'}"], needs=["help"],
+                            threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    for other, why in ((dict(code="0" * 64), r"other code than its experiment was planned with \(000000000000 then, "),
+                       (dict(versions={**plan["versions"], "torch": "2.11.0+cu130"}),
+                        r"on other packages than its experiment was planned with \(torch 2\.11\.0\+cu130 -> ")):
+        with pytest.raises(SystemExit):
+            stages.run(plan_of, out, {**plan, **other}, 1, 1)
+        assert re.search(r"error: this stage of a reproduce\.py experiment would run " + why,
+                         (out / "logs" / "help.log").read_text())
+        assert not stages.stage_record(out, "help", plan["stages"]["help"]["fingerprint"]).get("finished")
+        assert not (out / "logs" / "cka.log").exists()
+    stages.run(plan_of, out, plan, 1, 1)
+    assert all(stages.stage_record(out, n, e["fingerprint"]).get("finished") for n, e in plan["stages"].items())
+    stages.check_unchanged(plan)
+    monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / "edited", "machinery/compare.py"))
+    with pytest.raises(InputError, match=r"^every stage has finished, but the code changed while the experiment ran"):
+        stages.check_unchanged(plan)
+
+
 def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):
     """A finished stage records the digests of what it wrote (an --out file, a run directory's run, log and
     weights); a rerun checks them before it skips the stage, and one replaced since (a hand run into the same
