@@ -68,6 +68,7 @@ class Run:
     schedule_start: int  # tokens of the schedule run before this phase
     history: list  # the runs this one continues: [{phase, tokens, dir}]
     code: dict  # the code version, saved with every checkpoint
+    earlier_code: list  # [{until_step, code}]: the code of this phase's steps before a resume under other code
     wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
     reloaded: bool = False  # whether a save of this invocation was reloaded and compared (hf.check_saved)
 
@@ -85,12 +86,13 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
     now = code_version() if how == "resume" else {}  # resume promises bit for bit: with this code and packages
     if now and state["code"].get("sha256") != now["sha256"]:
         print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (a script or a module of "
-              f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was",
-              file=sys.stderr)
+              f"machinery/): the resumed run goes on with this code, not bit for bit with the run it was (its "
+              f"state.json keeps the code of the steps before: earlier_code)", file=sys.stderr)
     changed = changed_versions(state["code"].get("versions"), now["versions"]) if now else ""
     if changed:
         print(f"warning: packages changed since {cfg.out_dir}'s checkpoint was written ({changed}): the resumed "
-              f"run goes on with these, not bit for bit with the run it was", file=sys.stderr)
+              f"run goes on with these, not bit for bit with the run it was (its state.json keeps those of the steps "
+              f"before: earlier_code)", file=sys.stderr)
     if how == "resume" and saved["tokens"] != cfg.tokens:
         print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
               f"their learning rates")

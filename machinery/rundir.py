@@ -660,12 +660,23 @@ def _code(value, field):
     return _object(value, field, versions_or_check, 16)
 
 
+def _earlier(value, field):
+    """The code of steps a resume under other code left behind: {until_step, code}."""
+    if type(value) is not dict or set(value) != {"until_step", "code"}:
+        raise _Bad(field, f"expected an object with until_step and code, got {_show(value)}")
+    _count(value["until_step"], f"{field}.until_step")
+    _code(value["code"], f"{field}.code")
+    return value
+
+
 STATE_FIELDS = {  # field -> check(value, field); phase and config are checked against the caller's tables
     "phase": lambda v, f: _text(v, f, 64), "adam_t": _count, "phase_step": _count, "phase_tokens": _count,
     "total_tokens": _count, "schedule_tokens_done": _count, "loader": _loader,
     "rng": lambda v, f: _list(v, f, _rng, 1 << 16), "config": None, "code": _code,
     "tokenizer": _text, "history": lambda v, f: _list(v, f, _record, 1000), "files": _files,
+    "earlier_code": lambda v, f: _list(v, f, _earlier, 1000),
 }
+OPTIONAL = {"earlier_code"}  # fields a checkpoint written before they existed does not have
 
 
 def validate_state(state, source, phases=None, fields=None):
@@ -707,7 +718,7 @@ def _checked_state(state, phases=None, fields=None):
         raise _Bad("(top level)", f"expected an object, got {_show(state)}")
     if "step" in state and "adam_t" not in state:  # a checkpoint written before Adam's t had its own name
         state = {("adam_t" if key == "step" else key): value for key, value in state.items()}
-    for key in STATE_FIELDS:
+    for key in STATE_FIELDS.keys() - OPTIONAL:
         if key not in state:
             raise _Bad(key, "missing")
     for key, value in state.items():
@@ -758,6 +769,16 @@ def code_version():
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {"git": commit or None, "sha256": source_digest()[:16], "versions": versions()}
+
+
+def earlier_code(state, now):
+    """The code of this phase's earlier steps, for a resume of `state` with the code `now` (code_version's): the
+    checkpoint's own list, and its code up to its step where `now` is other code or other packages. A checkpoint's
+    `code` is the code that wrote it; this keeps the code of every stretch before."""
+    kept, then = state.get("earlier_code", []), state["code"]
+    if then.get("sha256") == now["sha256"] and then.get("versions", now["versions"]) == now["versions"]:
+        return kept
+    return [*kept, dict(until_step=state["phase_step"], code=then)]
 
 
 def append_log(path, record):

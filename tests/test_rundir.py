@@ -704,6 +704,9 @@ BAD_STATES = [  # (field to edit, bad value, the field the message names)
     ("tokenizer", DELETE, "tokenizer"), ("surprise", 1, "surprise"), ("phase_tokens", 1e30, "phase_tokens"),
     ("history.0.tokens", 1e30, "history[0].tokens"), ("history.0.extra", 1, "history[0]"),
     ("loader.sequence", 2 ** 70, "loader.sequence"), ("config.lr", 10 ** 400, "config.lr"),
+    ("earlier_code", "x", "earlier_code"), ("earlier_code", [{"until_step": 1}], "earlier_code[0]"),
+    ("earlier_code", [{"until_step": -1, "code": {}}], "earlier_code[0].until_step"),
+    ("earlier_code", [{"until_step": 1, "code": {"git": 5}}], "earlier_code[0].code.git"),
 ]
 
 

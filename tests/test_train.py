@@ -264,22 +264,33 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
 
 
 def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path, monkeypatch, capsys):
-    run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={3 * STEP_TOKENS}", "--max_steps=1")
-    capsys.readouterr()
+    """A resume under other code or packages warns, and the checkpoints keep the code of every stretch of steps
+    (state.json's earlier_code: the code up to the step where other code took over), not only the newest."""
+    import train
     from machinery import progress
-    real = progress.code_version
-    monkeypatch.setattr(progress, "code_version", lambda: {**real(), "sha256": "an edited data.py"})
-    run(corpus, tmp_path / "run", "--resume", "--max_steps=2")
+    _, state = run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--max_steps=1")
+    capsys.readouterr()
+    real, first = progress.code_version, state["code"]
+    assert state["earlier_code"] == []
+    edited = {**real(), "sha256": "an edited data.py"}
+    for module in (progress, train):
+        monkeypatch.setattr(module, "code_version", lambda: edited)
+    _, state = run(corpus, tmp_path / "run", "--resume", "--max_steps=1")
     err = capsys.readouterr().err
     assert "warning: the code changed since" in err and "packages changed" not in err
+    assert state["code"] == edited and state["earlier_code"] == [dict(until_step=1, code=first)]
     # the same code on another torch: also not bit for bit, and the warning names what changed
-    monkeypatch.setattr(progress, "code_version", lambda: {**real(), "versions": {**real()["versions"],
-                                                                                  "torch": "2.11.0+cu130"}})
-    run(corpus, tmp_path / "run", "--resume")
+    other = {**edited, "versions": {**real()["versions"], "torch": "2.11.0+cu130"}}
+    for module in (progress, train):
+        monkeypatch.setattr(module, "code_version", lambda: other)
+    _, state = run(corpus, tmp_path / "run", "--resume", "--max_steps=1")
     err = capsys.readouterr().err
     assert "warning: the code changed" not in err
     assert f"warning: packages changed since {tmp_path / 'run'}'s checkpoint was written (torch " \
            f"{real()['versions']['torch']} -> 2.11.0+cu130)" in err
+    assert state["earlier_code"] == [dict(until_step=1, code=first), dict(until_step=2, code=edited)]
+    _, state = run(corpus, tmp_path / "run", "--resume")  # the same code again: nothing to add
+    assert state["phase_step"] == 4 and state["code"] == other and len(state["earlier_code"]) == 2
 
 
 def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypatch, capsys):
