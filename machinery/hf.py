@@ -198,8 +198,9 @@ def check_saved(model, path):
     """After `model` is saved to `path`: the folder reloaded as a user would, by the model's own class and by
     transformers where it is installed, and each one's logits on a test sequence against the model as it is in
     memory, all on the CPU in fp32. A difference means that what trained is not what was saved: one warning line
-    naming the likely cause. Returns the largest difference per loader. The global RNG is left as it was (dropout
-    streams go on as without the check) and so is the model."""
+    naming the likely cause. Returns the largest difference per loader, as a share of the largest logit (at least 1;
+    within RELOAD_TOLERANCE: it reloads as trained); transformers is absent where it is not installed. The global
+    RNG is left as it was (dropout streams go on as without the check) and so is the model."""
     import copy
 
     import torch
@@ -258,7 +259,7 @@ def check_saved(model, path):
               f"something its config.json does not describe (code edited in place of a config field: an activation, "
               f"a window, a norm?): make it a ModernBERTConfig field that transformers reads, as hidden_activation "
               f"is", file=sys.stderr, flush=True)
-    return differences
+    return {name: d / scale for name, d in differences.items()}
 
 
 # A segment of a hub id, as the hub takes it (huggingface_hub's validate_repo_id): 1 to 96 ASCII letters, digits,

@@ -14,7 +14,7 @@ import torch
 from machinery import cli, flags, kernels, tracking
 from machinery.cli import InputError, autocast, changed_versions, launcher
 from machinery.curves import run_dir_of, saved_config
-from machinery.hf import check_saved, hub_id_problem
+from machinery.hf import RELOAD_TOLERANCE, check_saved, hub_id_problem
 from machinery.rundir import ROOT, RunDir, code_version, continuation_dir, latest_state
 
 # Dense bf16 FLOP/s per GPU, for MFU (NVIDIA's datasheets, half their "with sparsity" figures), looked up by a
@@ -70,7 +70,7 @@ class Run:
     code: dict  # the code version, saved with every checkpoint
     earlier_code: list  # [{until_step, code}]: the code of this phase's steps before a resume under other code
     wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
-    reloaded: bool = False  # whether a save of this invocation was reloaded and compared (hf.check_saved)
+    reloaded: dict = None  # what hf.check_saved found at this invocation's first save ({} where it failed)
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -356,11 +356,13 @@ def saved(r, learning_rate):
     drawn = []  # draw_run's path, or None without matplotlib
     r.wrote["loss.png"] = cli.side_job("the loss picture", lambda: drawn.append(draw_run(r.run_dir.path))) and \
         drawn[0] is not None
+    if r.reloaded is None:  # before the card, which says what it found
+        found = []
+        cli.side_job("the check that the saved model reloads as it trained",
+                     lambda: found.append(check_saved(r.model, r.run_dir.path)))
+        r.reloaded = found[0] if found else {}
     r.wrote["README.md"] = cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
     print(f"saved {r.run_dir.path} at step {r.phase_step}", flush=True)
-    if not r.reloaded:
-        cli.side_job("the check that the saved model reloads as it trained", check_saved, r.model, r.run_dir.path)
-        r.reloaded = True
 
 
 def written(r, name):
@@ -396,8 +398,7 @@ def card(r, learning_rate):
     val, start = (every or [{}])[-1], next((v for v in every if v["step"] == 0), None)
     lines = ["---", *yaml_lines(meta), "---", "", f"# {os.path.basename(out)}", "",
              f"A ModernBERT encoder ({cfg.preset or 'custom'} architecture, {r.model.num_params():,} parameters) "
-             f"trained by train.py, {r.phase_step} of {total_steps} steps of its phase. It loads with "
-             f"`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`).", "",
+             f"trained by train.py, {r.phase_step} of {total_steps} steps of its phase. {loads(r.reloaded)}", "",
              "## Training", "", f"Started from {origin(chain[0]['config'])}.", "",
              "| phase | objective | tokens | schedule | run |", "|---|---|---|---|---|",
              *(row(c) for c in chain), "",
@@ -425,6 +426,26 @@ def card(r, learning_rate):
               "",
               "This card is rewritten at each save until you edit it; an edited card is yours and stays as it is."]
     return "\n".join(lines)
+
+
+def loads(found):
+    """The card's sentence on loading the model, from what hf.check_saved found (`found`: {loader: difference}) after
+    this invocation's first save."""
+    how, found = "`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`)", found or {}
+    ours, theirs = found.get("model.py", 0.0), found.get("transformers")
+    if ours > RELOAD_TOLERANCE:
+        return (f"**It does not reload as the model that trained**: reloaded, even by model.py, its logits on a test "
+                f"sequence differ from the trained model's by {ours:.2g} of the largest (a module or attribute changed "
+                f"after the model was built, which config.json does not hold).")
+    if theirs is None:
+        return (f"It is written for {how}; whether transformers loads it as it trained was not checked (transformers "
+                f"was not installed where it trained).")
+    if theirs <= RELOAD_TOLERANCE:
+        return f"It loads with {how} as it trained (checked after a save: the same logits on a test sequence)."
+    return (f"**transformers loads it as another model**: on a test sequence its logits differ from the trained "
+            f"model's by {theirs:.2g} of the largest (model.py computed something config.json does not describe, "
+            f"such as an activation edited in place of the hidden_activation field); this repository's model.py "
+            f"(`ModernBERT.from_pretrained`) loads it as it trained.")
 
 
 def use(cfg):

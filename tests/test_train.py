@@ -324,14 +324,22 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
     warning that the folder does not reload as the model that trained."""
     import model
     flags = [f"--tokens={2 * STEP_TOKENS}", "--save_interval=1"]
+    card = lambda name: (tmp_path / name / "README.md").read_text()
     run(corpus, tmp_path / "clean", *flags)
     assert "warning" not in capsys.readouterr().err
+    assert "It loads with `transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`) as it trained" in \
+        card("clean")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(model.ACTIVATIONS, "gelu", F.silu)  # a hard-coded edit: the config field still says gelu
         run(corpus, tmp_path / "silu", *flags)
-    err = capsys.readouterr().err
-    assert err.count("warning: ") == 1 and f"warning: transformers loads {tmp_path / 'silu'} as another model" in err
-    assert "code edited in place of a config field" in err and "hidden_activation" in err
+        err = capsys.readouterr().err
+        assert err.count("warning: ") == 1 and f"warning: transformers loads {tmp_path / 'silu'} as another model" in err
+        assert "code edited in place of a config field" in err and "hidden_activation" in err
+        assert "**transformers loads it as another model**" in card("silu") and "as it trained (" not in card("silu")
+        mp.setitem(sys.modules, "transformers", None)  # not installed: no oracle, and the card does not claim one
+        run(corpus, tmp_path / "unchecked", *flags)
+        assert "whether transformers loads it as it trained was not checked" in card("unchecked")
+    capsys.readouterr()
     build = train.build_model
 
     def swapped(*args):  # an edit in train.py after the model is built: block 1 local no more
@@ -343,6 +351,7 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
     err = capsys.readouterr().err
     assert err.count("warning: ") == 1 and f"warning: {tmp_path / 'swapped'} does not reload as the model that " \
         "trained" in err
+    assert "**It does not reload as the model that trained**" in card("swapped")
 
 
 def test_a_continued_run_states_the_architecture_it_keeps(corpus, tmp_path, monkeypatch, capsys):
