@@ -49,7 +49,7 @@ from machinery.cli import InputError, autocast, check_outputs, pick_device, run,
 from machinery.compare import t_interval, t_quantile, verdict
 from machinery.metrics import entity_counts, entity_f1_from_counts, f1_counts, f1_from_counts, one_hot
 from machinery.models import (as_list, check_validation_data, distinct_models, inspect_model, load_weights,
-                              model_files, model_tokenizer)
+                              model_files, model_tokenizer, validation_setting)
 from machinery.tasks import (SPLITS, cached_seed, carve_dev, is_number, read_tasks, read_texts, seed_folder,
                              split_sizes, subset)
 from model import IGNORE_INDEX, ModernBERT
@@ -663,10 +663,13 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
 # Validation loss, and loss curves
 
 
-def mlm(model, data, n_sequences=64, seq_len=512, batch_size=8, device="auto"):
+def mlm(model, data, n_sequences=None, seq_len=None, batch_size=8, device="auto"):
     """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first
-    n_sequences windows of data/val.bin, each a mean over their labelled tokens."""
+    n_sequences windows of seq_len tokens of data/val.bin, each a mean over their labelled tokens
+    (None: as the run was validated, where `model` is a train.py run; else 64 and 512)."""
     info = inspect_model(model, ModernBERT)
+    ran = validation_setting(info)
+    n_sequences, seq_len = n_sequences or ran[0], seq_len or ran[1]
     check_validation_data(data, info, n_sequences, seq_len)  # never fewer windows than asked for
     device = pick_device(device)
     net = load_weights(info, device)

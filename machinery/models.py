@@ -69,6 +69,15 @@ def load_weights(info, device):
     return model.to(device).eval()
 
 
+def validation_setting(info):
+    """(windows, tokens per window) that train.py validated the run of inspect_model's `info` on (its config's
+    eval_sequences and seq_len), or (64, 512) for a model folder that is no run of ours."""
+    from machinery.rundir import latest_state
+    state = latest_state(str(info["dir"]))
+    config = state["config"] if state else {}
+    return config.get("eval_sequences", 64), config.get("seq_len", 512)
+
+
 def check_validation_data(data, info, n_sequences, seq_len):
     """A data.py folder whose val.bin the model of `info` can be validated on: its tokenizer's mask id and
     vocabulary, and at least n_sequences windows of seq_len."""

@@ -354,6 +354,16 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
     assert "**It does not reload as the model that trained**" in card("swapped")
 
 
+def test_eval_mlm_on_a_run_validates_as_the_run_did(corpus, tmp_path, capsys):
+    """`eval.py mlm RUN --data=D` with no other flag reads the run's own validation setting (its --eval_sequences
+    windows of its --seq_len tokens): the losses its log ends with."""
+    import eval as ev
+    run(corpus, tmp_path / "run", f"--tokens={2 * STEP_TOKENS}")
+    last = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if "val_mlm" in line][-1]
+    got = ev.mlm(str(tmp_path / "run"), corpus, device="cpu")
+    assert got == pytest.approx({"val_mlm": last["val_mlm"], "val_clm": last["val_clm"]}, abs=1e-4)
+
+
 def test_a_continued_run_states_the_architecture_it_keeps(corpus, tmp_path, monkeypatch, capsys):
     """The start names the shape and attention settings a run trains (window, global-layer period, activation). A
     run that continues a checkpoint keeps the checkpoint's, says so, and warns where this code would build a fresh
