@@ -2,12 +2,12 @@
 Evaluation of ModernBERT checkpoints: how far a run's representations moved (layer-wise CKA against a seed-noise
 band), what they are worth downstream (fine-tuning), and how well it still predicts (validation loss).
 
-    python eval.py cka MLM_R1,MLM_R2,MLM_R3 CLM_R1,CLM_R2,CLM_R3 --control=MLM_SEED_R1 \
+    python eval.py cka MLM_R1,MLM_R2,MLM_R3 CLM_R1,CLM_R2,CLM_R3 --control=MLM_SEED_R1 \\
         --control=MLM_SEED_R2 --control=MLM_SEED_R3 --names=MLM,CLM --texts=heldout.jsonl
     python eval.py finetune RUN --task=tasks/ncbi_disease --task=tasks/chemprot --out=out/ft.json
     python eval.py table mlm-r1.json,mlm-r2.json clm-r1.json,clm-r2.json  # arms compared
     python eval.py mlm RUN --data=data/demo
-    python eval.py curves out/clm out/mlm --out=out/curves.png   # one run: its loss.png drawn again
+    python eval.py curves out/clm out/mlm --out=out/curves.png   # runs on shared axes (one run: its loss.png again)
     python eval.py needle MLM_R1,MLM_R2 CLM_R1,CLM_R2 --names=MLM,CLM --texts=heldout.jsonl
 
 A model is a Hugging Face ModernBERT folder, a hub id, or a train.py run directory. This file holds three

@@ -731,7 +731,8 @@ def parse(argv):
                         "(default: answerdotai/ModernBERT-base at --scale=paper; smoke and cpu pretrain their own)")
     parser.add_argument("--data", default=str(DATA), help="the studies' data: a folder that holds corpus/, heldout/ "
                         "and tasks/ as `python data.py fetch --out=DIR` writes them from their public sources "
-                        f"(default: {SHARED} where it exists, else data/bio)")
+                        "(default: data/bio, where `data.py fetch` writes them; a shared/data folder beside the "
+                        "repository's own folder is read instead where it exists)")
     parser.add_argument("--corpus", nargs="+", help="the training corpus: .jsonl, .txt or .parquet files (default: "
                         f"DATA/{sources.CORPUS})")
     parser.add_argument("--tasks", nargs="+", help="fine-tuning task folders, train/dev/test .jsonl or .tsv (default: "

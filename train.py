@@ -3,7 +3,7 @@
     python train.py                                  # the demo's start model, out/demo-mlm: minutes
     python train.py --phase=clm --init_from=out/demo-mlm --weights_only  # the detour: demo-mlm-clm
     python train.py --phase=decay --init_from=out/demo-mlm-clm   # its decay: out/demo-mlm-clm-decay
-    python train.py --resume --out_dir=out/demo-mlm --tokens=2.5M  # a run made longer, its schedule kept
+    python train.py --resume --out_dir=out/demo-mlm --tokens=2M  # a run made longer, its schedule kept
     torchrun --nproc_per_node=4 train.py --phase=clm # any command on 4 processes: same global batch
     python train.py --help                           # every flag, its default and its meaning
 
@@ -89,7 +89,7 @@ class Config:
     license: str = ""  # a Hugging Face license id (apache-2.0, mit, ...); empty: none stated
     language: str = ""  # the data's language codes (en, or en,de); empty: none stated
     base_model: str = ""  # a hub id; empty: --init_from's hub id, or the base of the run it continues
-    hub_id: str = ""  # where the model will be published (USER/NAME): the card's "Use" loads it; empty: a placeholder
+    hub_id: str = ""  # where the model will be published (USER/NAME): the card's "Use" loads it; empty: the run folder
     # hardware
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS or idle cores / local processes

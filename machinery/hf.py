@@ -114,14 +114,15 @@ def config_fields(d, source, names):
 def config_to_hf(c):
     """config.json's contents in both key spellings, keys sorted as transformers writes them. Every field of the
     config is written as it is (what is saved is what runs); one transformers does not read is written too, with
-    a warning that transformers will not load the model as trained."""
+    a warning that transformers will load the model without it."""
     rope = {kind: {"rope_theta": getattr(c, name), "rope_type": "default"} for kind, name in ROPE_FIELDS.items()}
     fields = dataclasses.asdict(c)
     foreign = sorted(set(fields) - HF_KEYS)
     if foreign:
         print(f"warning: config field(s) {', '.join(foreign)} written to config.json, but transformers' "
-              f"ModernBertConfig does not read them: transformers would load this model without them, not as "
-              f"trained (model.py reads them back)", file=sys.stderr)
+              f"ModernBertConfig does not read them: transformers would load this model without them, as trained "
+              f"only where their values change nothing it computes (model.py reads them back; a run checks this after "
+              f"its first save)", file=sys.stderr)
     d = {**FIXED, **fields, "layer_types": list(c.layer_types), "model_type": "modernbert",
          "architectures": ["ModernBertForMaskedLM"], "bos_token_id": c.cls_token_id, "eos_token_id": c.sep_token_id,
          "rope_parameters": rope}
