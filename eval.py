@@ -282,9 +282,8 @@ class TokenClassification(Kind):
         self.strict = strict
 
     def encode(self, labels, examples, tok, max_len):
-        """(ids, target) per sentence, target the tag's class on a word's first sub-token and -100
-        elsewhere. Whole words only: a word cut by max_len goes with all that follow it (they count
-        as predicted "O")."""
+        """(ids, target) per sentence, target the tag's class on a word's first sub-token and -100 elsewhere.
+        Whole words only: a word cut by max_len goes with all that follow it (they count as predicted "O")."""
         column = {label: i for i, label in enumerate(labels)}
         # Each word as the tokenizer sees it mid-sentence: byte-level BPE keeps the leading space.
         words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["words"])]
@@ -664,12 +663,10 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
 
 
 def mlm(model, data, n_sequences=None, seq_len=None, batch_size=8, device="auto"):
-    """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first
-    n_sequences windows of seq_len tokens of data/val.bin, each a mean over their labelled tokens
-    (None: as the run was validated, where `model` is a train.py run; else 64 and 512)."""
+    """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first n_sequences windows of
+    seq_len tokens of data/val.bin, each a mean over their labelled tokens (None: as a run was validated)."""
     info = inspect_model(model, ModernBERT)
-    ran = validation_setting(info)
-    n_sequences, seq_len = n_sequences or ran[0], seq_len or ran[1]
+    n_sequences, seq_len = validation_setting(info, n_sequences, seq_len)
     check_validation_data(data, info, n_sequences, seq_len)  # never fewer windows than asked for
     device = pick_device(device)
     net = load_weights(info, device)

@@ -115,11 +115,9 @@ def apply_rope(x, cos, sin):
 
 # -----------------------------------------------------------------------------
 # Attention, written out: which keys a query may see, then softmax(q k^T / sqrt(D)) v over them. MLM and CLM
-# differ here only, in `causal`. machinery/kernels.py computes the same attention faster (SDPA and FlexAttention
-# with this rule as their mask, flash-attn with it as sequence lengths and a window) and picks the fastest the
-# device has; backend="reference" runs this one, and tests/test_backends.py holds every backend equal to it. An
-# edit here trains: the model checks at start that these two still compute what the fast backends do, and runs the
-# reference, saying so, where they do not (kernels.page_backend).
+# differ here only, in `causal`. machinery/kernels.py computes it faster (SDPA, FlexAttention, flash-attn; tested
+# equal to it) and picks the fastest the device has; backend="reference" runs this one, and so does a model whose
+# attention here was edited (kernels.page_backend checks at start that it still computes what the others do).
 
 
 def mask_rule(causal, window, local, token_mask=None, doc_ids=None):
@@ -232,8 +230,7 @@ class ModernBERT(nn.Module):
 
     def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
-        self.config = config
-        # a name in BACKENDS, or "auto"; if the attention above was edited, the reference: the only one that runs it
+        self.config = config  # backend: a name in BACKENDS, or "auto"; "reference" if the attention above was edited
         self.backend = page_backend(backend, reference_attention, mask_rule)
         self.loss = loss  # a name in LOSSES; "fused" is refused if cross_entropy above was edited
         if loss == "fused":

@@ -32,7 +32,7 @@ import data
 import freeze
 from machinery import cli, datacli, kernels, progress, rundir, tracking
 from machinery.progress import PEAK_FLOPS, peak_flops  # noqa: F401 (bench.py reads them from here)
-from machinery.rundir import GracefulStop, RunDir, check_savable, code_version, earlier_code, rng_state, set_rng_state
+from machinery.rundir import GracefulStop, RunDir, check_savable, code_record, rng_state, set_rng_state
 from model import BACKENDS, IGNORE_INDEX, LOSSES, PRESETS, ModernBERT, ModernBERTConfig
 
 # -----------------------------------------------------------------------------
@@ -446,8 +446,7 @@ def setup(given):
                         objective=data.OBJECTIVES[cfg.objective], frozen=frozen, meta=meta, tokenizer=tokenizer,
                         run_dir=run_dir, tracker=tracker, device=device, rank=rank, world=world,
                         accum=cfg.batch_size // (micro * world), phase_step=phase_step, phase_tokens=phase_tokens,
-                        schedule_start=start, history=history, code=code_version(),
-                        earlier_code=earlier_code(state, code_version()) if how == "resume" else [])
+                        schedule_start=start, history=history, **code_record(state if how == "resume" else None))
 
 
 def train(r):
@@ -534,10 +533,9 @@ def validate(r, record):
 def checkpoint_state(r, rng):
     """What a checkpoint's state.json holds now (rng: every rank's RNG states)."""
     return dict(phase=r.cfg.phase, adam_t=r.optimizer.t, phase_step=r.phase_step, phase_tokens=r.phase_tokens,
-                total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens,
+                total_tokens=sum(h["tokens"] for h in r.history) + r.phase_tokens, tokenizer=r.meta["tokenizer"],
                 schedule_tokens_done=r.schedule_start + r.phase_tokens, loader=r.loader.state_dict(), rng=rng,
-                config=dataclasses.asdict(r.cfg), code=r.code, earlier_code=r.earlier_code,
-                tokenizer=r.meta["tokenizer"], history=r.history)
+                config=dataclasses.asdict(r.cfg), code=r.code, earlier_code=r.earlier_code, history=r.history)
 
 
 def save(r):

@@ -69,13 +69,13 @@ def load_weights(info, device):
     return model.to(device).eval()
 
 
-def validation_setting(info):
-    """(windows, tokens per window) that train.py validated the run of inspect_model's `info` on (its config's
-    eval_sequences and seq_len), or (64, 512) for a model folder that is no run of ours."""
+def validation_setting(info, n_sequences=None, seq_len=None):
+    """(windows, tokens per window) to validate the model of inspect_model's `info` on: those asked for, else those
+    train.py validated it on where it is a run of ours (its config's eval_sequences and seq_len), else 64 x 512."""
     from machinery.rundir import latest_state
     state = latest_state(str(info["dir"]))
     config = state["config"] if state else {}
-    return config.get("eval_sequences", 64), config.get("seq_len", 512)
+    return n_sequences or config.get("eval_sequences", 64), seq_len or config.get("seq_len", 512)
 
 
 def check_validation_data(data, info, n_sequences, seq_len):

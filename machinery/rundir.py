@@ -771,14 +771,15 @@ def code_version():
     return {"git": commit or None, "sha256": source_digest()[:16], "versions": versions()}
 
 
-def earlier_code(state, now):
-    """The code of this phase's earlier steps, for a resume of `state` with the code `now` (code_version's): the
-    checkpoint's own list, and its code up to its step where `now` is other code or other packages. A checkpoint's
-    `code` is the code that wrote it; this keeps the code of every stretch before."""
-    kept, then = state.get("earlier_code", []), state["code"]
-    if then.get("sha256") == now["sha256"] and then.get("versions", now["versions"]) == now["versions"]:
-        return kept
-    return [*kept, dict(until_step=state["phase_step"], code=then)]
+def code_record(resumed=None):
+    """{code: what this invocation runs (code_version), earlier_code: the code of this phase's steps before}: for a
+    resume of the checkpoint state `resumed`, its own list, and its code up to its step where this is other code or
+    other packages (a checkpoint's `code` is the code that wrote it; this keeps that of every stretch before)."""
+    now = code_version()
+    kept, then = (resumed or {}).get("earlier_code", []), (resumed or {}).get("code")
+    if then and (then.get("sha256") != now["sha256"] or then.get("versions", now["versions"]) != now["versions"]):
+        kept = [*kept, dict(until_step=resumed["phase_step"], code=then)]
+    return dict(code=now, earlier_code=kept)
 
 
 def append_log(path, record):

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machinery.cli import PLANNED, InputError, changed_versions, die_with, read_json, source_digest, versions, write_json
+from machinery.cli import (PLANNED, InputError, changed_versions, die_with, read_json, source_digest, versions,
+                           write_json)
 from machinery.planfiles import check_plan, check_record
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts' folder: every stage runs from there

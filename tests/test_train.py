@@ -266,14 +266,13 @@ def test_exact_resume_is_bit_identical(corpus, tmp_path):
 def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path, monkeypatch, capsys):
     """A resume under other code or packages warns, and the checkpoints keep the code of every stretch of steps
     (state.json's earlier_code: the code up to the step where other code took over), not only the newest."""
-    import train
-    from machinery import progress
+    from machinery import progress, rundir
     _, state = run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--max_steps=1")
     capsys.readouterr()
     real, first = progress.code_version, state["code"]
     assert state["earlier_code"] == []
     edited = {**real(), "sha256": "an edited data.py"}
-    for module in (progress, train):
+    for module in (progress, rundir):
         monkeypatch.setattr(module, "code_version", lambda: edited)
     _, state = run(corpus, tmp_path / "run", "--resume", "--max_steps=1")
     err = capsys.readouterr().err
@@ -281,7 +280,7 @@ def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path,
     assert state["code"] == edited and state["earlier_code"] == [dict(until_step=1, code=first)]
     # the same code on another torch: also not bit for bit, and the warning names what changed
     other = {**edited, "versions": {**real()["versions"], "torch": "2.11.0+cu130"}}
-    for module in (progress, train):
+    for module in (progress, rundir):
         monkeypatch.setattr(module, "code_version", lambda: other)
     _, state = run(corpus, tmp_path / "run", "--resume", "--max_steps=1")
     err = capsys.readouterr().err
