@@ -199,22 +199,23 @@ def attention_gap(reference, rule):
     page (a soft cap on the scores, a prefix-LM mask) is not theirs. What they compute is written here again, apart
     from model.py, so that an edit there shows: SDPA over the keys of the query's own document and window, never
     padding, none after the query when causal, the query itself always. NaN where the page gives NaN."""
-    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")  # even where models are being built on another device (the meta one, for a count)
+    g = torch.Generator(cpu).manual_seed(0)
     B, T, H, D, window = 2, 12, 2, 4, 2
-    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(3))
-    i = torch.arange(T)
-    real = i < torch.tensor([[T], [T - 3]])  # (B, T): the second sequence ends in padding
-    doc_ids = (i >= torch.tensor([[5], [T]])).long()  # (B, T): the first holds two documents
+    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64, device=cpu) for _ in range(3))
+    i = torch.arange(T, device=cpu)
+    real = i < torch.tensor([[T], [T - 3]], device=cpu)  # (B, T): the second sequence ends in padding
+    doc_ids = (i >= torch.tensor([[5], [T]], device=cpu)).long()  # (B, T): the first holds two documents
     gaps = []
     for causal, local, masked in itertools.product((False, True), repeat=3):
-        see = torch.ones(B, T, T, dtype=torch.bool)  # (B, T, T): query i, key j
+        see = torch.ones(B, T, T, dtype=torch.bool, device=cpu)  # (B, T, T): query i, key j
         if causal:
             see &= i[:, None] >= i[None, :]
         if local:
             see &= (i[:, None] - i[None, :]).abs() <= window
         if masked:
             see &= (doc_ids[:, :, None] == doc_ids[:, None, :]) & real[:, None, :]
-        see |= torch.eye(T, dtype=torch.bool)
+        see |= torch.eye(T, dtype=torch.bool, device=cpu)
         want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=see[:, None])
         got = reference(q, k, v, rule(causal, window, local, *((real, doc_ids) if masked else (None, None))))
         rows = real if masked else torch.ones_like(real)
