@@ -9,7 +9,8 @@
 Every arm is trained --replicates times (default: 2 at smoke, 3 at cpu and paper scale). Replicate r of every arm
 shares its training seed (17 + r - 1) and its data-order seed (42 + r - 1) with replicate r of the other arms, so
 arms are compared pair by pair; replicates differ in both seeds, so they measure how much two pretraining runs of one
-arm differ. Every final model of every replicate is fine-tuned on every task with the same fine-tuning seeds.
+arm differ. Every final model of every replicate is fine-tuned on every task with its replicate's fine-tuning seeds:
+the same for every arm, other seeds in each replicate (42,43 in the first, 44,45 in the second, ...).
 
 --study=detour (the default) is continued pretraining of an encoder: a start model; the CLM detour and its MLM
 twin on the domain corpus; low or middle blocks frozen during CLM; the MLM decays (and one with the low blocks
@@ -193,11 +194,21 @@ def ft_path(out, model, lr):
     return out / "finetune" / f"{model}-lr{lr:g}.json"
 
 
+def ft_seeds(s, r):
+    """Replicate r's fine-tuning seeds: the scale's, moved past those of the replicates before it (42,43; 44,45; ...).
+    Every arm of a replicate shares them, so its runs pair seed by seed; no two replicates do, so that how an arm
+    fares on one seed is a draw of its own in each replicate, which the replicates' spread (the interval) holds,
+    and not one draw that every replicate repeats and no interval sees."""
+    first = [int(x) for x in str(s["ft"]["seeds"]).split(",")]
+    return ",".join(str(x + (r - 1) * len(first)) for x in first)
+
+
 def finetune_stages(s, out, tasks, study, R):
-    """Every fine-tuned model of every replicate on every task over the scale's seeds, once per learning rate."""
-    flags = [f"--{k}={v}" for k, v in s["ft"].items()]
+    """Every fine-tuned model of every replicate on every task over its replicate's seeds, once per learning rate."""
+    def flags(r):
+        return [f"--{k}={v}" for k, v in {**s["ft"], "seeds": ft_seeds(s, r)}.items()]
     return [Stage(f"finetune-{m}-lr{lr:g}", python("eval.py", "finetune", out / "runs" / m,
-                                                  *(f"--task={t}" for t in tasks), *flags, f"--lr={lr}",
+                                                  *(f"--task={t}" for t in tasks), *flags(r), f"--lr={lr}",
                                                   f"--out={ft_path(out, m, lr)}"), [m], list(tasks))
             for r in range(1, R + 1) for m in (replicate(a, r) for a in FINETUNED[study]) for lr in s["lrs"]]
 
@@ -659,7 +670,7 @@ def what_was_run(rep, study, s, stages):
     ft, R = s["ft"], rep["replicates"]
     first = next(st for st in stages if st.name == replicate(FINAL[study][0], 1))
     tasks = next(st.inputs for st in stages if st.name.startswith("finetune-"))
-    seeds_ = ft["seeds"].split(",")
+    seeds_ = [ft_seeds(s, r) for r in range(1, R + 1)]
     lrs = (f"lr {s['lrs'][0]:g} (fixed, not chosen)" if len(s["lrs"]) == 1 else
            f"lr {', '.join(f'{lr:g}' for lr in s['lrs'])} (each replicate's chosen on the other replicates' dev)")
     rows = [("study", f"`--study={study}`: {TITLES[study]}"),
@@ -669,8 +680,8 @@ def what_was_run(rep, study, s, stages):
                            f"order {DATA_SEED} + r - 1, the same for every arm"),
             ("tokens", budgets(rep, study, s) + "; every run's in the appendix"),
             ("fine-tuning", f"{', '.join(Path(str(t)).name for t in tasks)}; {fine_tuning_budget(ft)}; "
-                            f"{ft['max_len']} tokens; {lrs}; {len(seeds_)} seeds ({', '.join(seeds_)}) per model, "
-                            f"replicate and lr"),
+                            f"{ft['max_len']} tokens; {lrs}; {len(seeds_[0].split(','))} seeds per model, "
+                            f"replicate and lr, each replicate's own, shared by its arms ({'; '.join(seeds_)})"),
             ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`"),
             ("code", f"source digest `{rep['code'][:16]}` (every script and machinery module); "
                      + (", ".join(f"{name} {version}" for name, version in rep["versions"].items())

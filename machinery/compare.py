@@ -9,9 +9,10 @@ they are read on; whether a model learned anything a task can rank; and the comp
 (how predictions become counts and scores).
 
 The design. The unit of an arm is a pretraining run (a replicate); fine-tuning seeds and test examples are nested
-in it. Replicate r of every arm shares its data order, a fine-tuning seed is the same classifier init and data
-order for every model, and every model is scored on the same test examples, so differences are paired at every
-level. Settings are chosen on dev, a replicate's learning rate on the other replicates' dev scores and a run's
+in it. Replicate r of every arm shares its data order and its fine-tuning seeds (a seed: the same classifier init and
+data order for every arm of the replicate; reproduce.py gives each replicate seeds of its own, so that a seed's
+effect on an arm is nested in its replicate, as the variance components read it), and every model is scored on the
+same test examples, so differences are paired at every level. Settings are chosen on dev, a replicate's learning rate on the other replicates' dev scores and a run's
 checkpoint on its own; test is read once, for that setting.
 """
 import functools
@@ -199,7 +200,9 @@ def detectable_range(v_runs, v_examples, k):
 # of two arms moves twice as much. With two arms (an arm and its reference) these are the difference's own
 # spreads, on replicates - 1 and replicates (seeds - 1) degrees of freedom; every arm added to the table adds its
 # degrees of freedom, on the condition that the arms' runs vary alike (a difference's own components are kept
-# beside the pooled ones, to see whether they do). The test examples' part is each difference's own bootstrap.
+# beside the pooled ones, to see whether they do). The test examples' part is each difference's own bootstrap, less
+# what differs from run to run: each run's score moves with its own luck on the examples, and that is in the runs'
+# spread already; what the test set adds beyond it is the part every run shares.
 
 
 def measured(metric, b, a=None, resamples=2000, seed=0):
@@ -256,12 +259,13 @@ def components(groups):
 def interval_of(m, c):
     """The mean of a `measured` difference and its 95% interval, from variance components c (its own, or pooled
     with the arms that share its reference): the top units' part top_var / units (its spread, with the seeds'
-    inside) plus its own test examples' part, with a t quantile on Satterthwaite's degrees of freedom (top_df when
-    the runs' part dominates, more as the examples' does, rounded down); beside it the two-sided p value of the same
-    t test, and `detectable`, the smallest true difference this design finds with 80% power, with its range."""
+    inside) plus the part of its own test examples' that every run shares (shared_examples), with a t quantile on
+    Satterthwaite's degrees of freedom (top_df when the runs' part dominates, more as the examples' does, rounded
+    down); beside it the two-sided p value of the same t test, and `detectable`, the smallest true difference this
+    design finds with 80% power, with its range."""
     R, S = m["runs"].shape
     units = R if R > 1 else S
-    v_runs, v_examples = c["top_var"] / units, m["example_var"] / m["examples"]
+    v_runs, v_examples = c["top_var"] / units, shared_examples(m, R * S) / m["examples"]
     v = v_runs + v_examples
     df = v * v / (v_runs * v_runs / c["top_df"]) if v_runs > 0 else math.inf
     half, mean = t_quantile(0.975, df) * math.sqrt(v), float(m["runs"].mean())
@@ -276,8 +280,8 @@ def interval_of(m, c):
 def interval(metric, b, a=None, resamples=2000, seed=0):
     """The mean over runs of metric(b) - metric(a) (a None: of metric(b)) and its 95% interval from its own
     variance components (`measured`, `components`, `interval_of`). On simulated data it covers a known difference
-    93.6-94.7% of the time with 3 to 8 replicates and 88.9% with 2, where a percentile bootstrap at every level
-    covered 76.7% with 3 replicates when pretraining noise dominates (tests/test_stats.py)."""
+    93.5-94.7% of the time with 3 replicates and 89.6% with 2, where a percentile bootstrap at every level covered
+    76.7% with 3 replicates when pretraining noise dominates (tests/test_stats.py)."""
     m = measured(metric, b, a, resamples, seed)
     return interval_of(m, components([[m]]))
 
@@ -288,8 +292,8 @@ def interval(metric, b, a=None, resamples=2000, seed=0):
 # at the low or high 95% confidence bound of top_var (the seeds' estimate kept, at most the whole). Where the
 # method of moments put the replicate part below 0, the point reading takes 0 and says so. With one fine-tuning
 # seed the two cannot be told apart: the point and high readings take it all as pretraining noise (more seeds
-# change nothing), the low one all as seed noise. The examples' part shrinks with the test set and, for its part
-# that differs between runs, with the runs.
+# change nothing), the low one all as seed noise. The examples' shared part shrinks with the test set; the part that
+# differs between runs is inside the runs' part and shrinks with the runs.
 
 READINGS = ("low", "point", "high")
 
@@ -309,7 +313,7 @@ def project(c, replicates, seeds, examples, reading="point"):
     """The standard error, degrees of freedom and detectable difference (80% power) of a design with this many
     replicates, seeds and test examples, from a comparison's variance components at a reading (see above): the
     replicate term (replicate + seed / seeds) / replicates on arms (replicates - 1) degrees of freedom, the example
-    term (shared + differing / runs) / examples. At the measured design the point reading is the comparison's own
+    term shared / examples (examples_part). At the measured design the point reading is the comparison's own
     standard error, so a report's detectable difference comes back, unless its replicate part was below 0. One
     replicate: the seeds are the top level and pretraining noise is not counted (as `interval`)."""
     replicate, seed = split(c, reading)
@@ -320,23 +324,29 @@ def project(c, replicates, seeds, examples, reading="point"):
         v_runs, units = (replicate + seed / seeds) / replicates, replicates
     else:
         v_runs, units = seed / seeds, seeds
-    v_examples = examples_part(c, replicates * seeds, examples)
+    v_examples = examples_part(c, examples)
     v, k = v_runs + v_examples, c["arms"] * (units - 1)
     df = v * v / (v_runs * v_runs / k) if v_runs > 0 and k else math.inf
     return {"se": math.sqrt(v), "df": df, "detectable": detectable(v_runs, v_examples, k)}
 
 
-def examples_part(c, runs, examples):
-    """The test examples' part of the variance of a mean over `runs` runs on `examples` test examples: the part
-    every run shares (at least 0), and the part that differs between runs, averaged over them."""
-    shared = max(0.0, c["example_var"] - c["example_run_var"] / (c["replicates"] * c["seeds"]))
-    return (shared + c["example_run_var"] / runs) / examples
+def shared_examples(m, runs):
+    """N times the test examples' variance that every run shares (at least 0): of `measured`'s bootstrap of the mean
+    over its `runs` runs, the part that does not differ between runs (that part is in the runs' spread)."""
+    return max(0.0, m["example_var"] - m["example_run_var"] / runs)
+
+
+def examples_part(c, examples):
+    """The test examples' part of the variance of a mean over runs on `examples` test examples: the part every run
+    shares. What differs between runs is in the runs' part, as measured on the comparison's own test set (a larger
+    one would shrink it: the projection keeps it, erring wide)."""
+    return shared_examples(c, c["replicates"] * c["seeds"]) / examples
 
 
 def floor(c, examples):
     """The least difference any number of replicates and seeds would detect on `examples` test examples: with the
     runs' part gone, the shared part of the examples' is left (known, so the normal quantiles)."""
-    return detectable(0.0, examples_part(c, math.inf, examples), 0)
+    return detectable(0.0, examples_part(c, examples), 0)
 
 
 def needed(c, target, replicates, seeds, examples, most_examples, limit=200, reading="point"):
@@ -504,30 +514,47 @@ def counts_of(kind, gold, every_prediction, scored):
     return lambda ys: kind.counts(gold, ys, columns)
 
 
+def paired_seeds(loaded, task):
+    """Replicate r's fine-tuning seeds that every arm ran on `task` (in every setting), in the first file's order:
+    run (r, seed) of one arm pairs with run (r, seed) of every other. Replicates may use other seeds than each
+    other (reproduce.py gives each its own), but as many each: the table of runs is replicates x seeds."""
+    R = len(next(iter(next(iter(loaded.values())).values())))
+    seeds = []
+    for r in range(R):
+        entries = [runs[r][1]["tasks"][task] for settings in loaded.values() for runs in settings.values()]
+        seeds.append([s for s in entries[0]["seeds"] if all(s in t["seeds"] for t in entries)])
+    if not seeds[0]:
+        raise InputError(f"{task}: no fine-tuning seed of replicate 1 is in every arm's results file, so no run pairs "
+                         f"with another")
+    if len({len(x) for x in seeds}) > 1:
+        raise InputError(f"{task}: the replicates share {', '.join(str(len(x)) for x in seeds)} fine-tuning seeds "
+                         f"across the arms: every replicate needs as many (its runs are a replicates x seeds table)")
+    return seeds
+
+
 def compare_task(loaded, reference, task, kind_of):
     runs = [r["tasks"][task] for settings in loaded.values() for files in settings.values() for _, r in files]
     first = runs[0]
     kind = kind_of(first)
-    seeds = [s for s in first["seeds"] if all(s in t["seeds"] for t in runs)]
-    if not seeds:
-        raise InputError(f"{task}: no fine-tuning seed is in every results file, so no run pairs with another")
+    seeds = paired_seeds(loaded, task)
     metric = first["primary"]
     rows, test, dev = {}, {}, {}
     for arm, settings in loaded.items():
-        scores = {setting: np.array([[t["tasks"][task]["seeds"][s]["dev"][metric] for s in seeds] for _, t in files])
+        scores = {setting: np.array([[t["tasks"][task]["seeds"][s]["dev"][metric] for s in seeds[r]]
+                                     for r, (_, t) in enumerate(files)])
                   for setting, files in settings.items()}  # (R, S) per setting
         chosen = choose_apart(scores)
 
         def read(r, i, split):  # run (r, seed i) at the setting chosen for it
             path, results = settings[chosen[r][i]][r]
-            return read_predictions(path, results["tasks"][task], seeds[i], split)
+            return read_predictions(path, results["tasks"][task], seeds[r][i], split)
 
-        test[arm], dev[arm] = ([[read(r, i, split) for i in range(len(seeds))] for r in range(len(chosen))]
+        test[arm], dev[arm] = ([[read(r, i, split) for i in range(len(seeds[r]))] for r in range(len(chosen))]
                                for split in ("test", "dev"))
-        used = [scores[chosen[r][i]][r, i] for r in range(len(chosen)) for i in range(len(seeds))]
+        used = [scores[chosen[r][i]][r, i] for r in range(len(chosen)) for i in range(len(seeds[r]))]
         rows[arm] = {"setting": ", ".join(dict.fromkeys(x for row in chosen for x in row)), "chosen": chosen,
                      "dev": {k: float(v.mean()) for k, v in scores.items()}, "dev_chosen": float(np.mean(used)),
-                     "runs": len(test[arm]) * len(seeds)}
+                     "runs": len(test[arm]) * len(seeds[0])}
     counts = {}
     for split, preds in (("test", test), ("dev", dev)):
         gold = preds[reference][0][0][0]

@@ -160,7 +160,7 @@ def finetune_markdown(comparison, names=None, settings="setting"):
     for task, t in comparison["tasks"].items():
         ref, metric, base = t["reference"], t["metric"], t["baseline"]
         chosen = len(next(iter(t["arms"].values()))["dev"]) > 1
-        runs = f"{t['replicates']} pretraining run(s) per arm x {len(t['seeds'])} fine-tuning seed(s)"
+        runs = f"{t['replicates']} pretraining run(s) per arm x {len(t['seeds'][0])} fine-tuning seed(s)"
         if t.get("ner_mode"):  # how IOB2 tags are read as entities changes the score
             runs += f"; entities read as seqeval's {NER_WORDS[t['ner_mode']]}"
         split = t.get("dev_split") or {}

@@ -514,7 +514,7 @@ def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tm
     d = compare.compare({"a": {"-": [tmp_path / "a.json"]}, "b": {"-": [tmp_path / "b.json"]}}, ev.kind_of)
     d = d["tasks"]["animals"]
     expected = b["seeds"]["2"]["test"]["macro_f1"] - first["tasks"]["animals"]["seeds"]["2"]["test"]["macro_f1"]
-    assert d["seeds"] == ["2"] and d["arms"]["b"]["difference"]["mean"] == pytest.approx(expected)
+    assert d["seeds"] == [["2"]] and d["arms"]["b"]["difference"]["mean"] == pytest.approx(expected)
 
 
 def test_a_step_budget_sets_the_steps_and_the_dev_points():
