@@ -666,12 +666,12 @@ def mlm(model, data, n_sequences=None, seq_len=None, batch_size=8, device="auto"
     """Validation losses as train.py measures them: MLM (15% masked) and CLM on the first n_sequences windows of
     seq_len tokens of data/val.bin, each a mean over their labelled tokens (None: as a run was validated)."""
     info = inspect_model(model, ModernBERT)
-    n_sequences, seq_len = validation_setting(info, n_sequences, seq_len)
+    n_sequences, seq_len, dtype, sep_id = validation_setting(info, data, n_sequences, seq_len)
     check_validation_data(data, info, n_sequences, seq_len)  # never fewer windows than asked for
     device = pick_device(device)
     net = load_weights(info, device)
     from train import validation_losses  # only this command needs the trainer
-    losses = validation_losses(net, data, seq_len, n_sequences, batch_size, device)
+    losses = validation_losses(net, data, seq_len, n_sequences, batch_size, device, dtype, sep_id)
     bad = [f"{k} = {v}" for k, v in losses.items() if not is_number(v)]
     if bad:
         raise InputError(f"{model} on {data}/val.bin: {', '.join(bad)}; a loss that is not finite means nothing")

@@ -69,13 +69,16 @@ def load_weights(info, device):
     return model.to(device).eval()
 
 
-def validation_setting(info, n_sequences=None, seq_len=None):
-    """(windows, tokens per window) to validate the model of inspect_model's `info` on: those asked for, else those
-    train.py validated it on where it is a run of ours (its config's eval_sequences and seq_len), else 64 x 512."""
+def validation_setting(info, data, n_sequences=None, seq_len=None):
+    """(windows, tokens per window, dtype, document separator id or None) to validate the model of inspect_model's
+    `info` on `data` as train.py validated it, where it is a run of ours (its config's eval_sequences, seq_len, dtype
+    and separate_documents), else on 64 x 512 in bfloat16 across documents; the windows and length asked for win."""
     from machinery.rundir import latest_state
     state = latest_state(str(info["dir"]))
     config = state["config"] if state else {}
-    return n_sequences or config.get("eval_sequences", 64), seq_len or config.get("seq_len", 512)
+    sep_id = load_meta(data)["sep_id"] if config.get("separate_documents") else None
+    return (n_sequences or config.get("eval_sequences", 64), seq_len or config.get("seq_len", 512),
+            config.get("dtype", "bfloat16"), sep_id)
 
 
 def check_validation_data(data, info, n_sequences, seq_len):

@@ -353,14 +353,19 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
     assert "**It does not reload as the model that trained**" in card("swapped")
 
 
-def test_eval_mlm_on_a_run_validates_as_the_run_did(corpus, tmp_path, capsys):
+@pytest.mark.parametrize("flags", [[], ["--separate_documents", "--dtype=float32"]])
+def test_eval_mlm_on_a_run_validates_as_the_run_did(corpus, tmp_path, capsys, flags):
     """`eval.py mlm RUN --data=D` with no other flag reads the run's own validation setting (its --eval_sequences
-    windows of its --seq_len tokens): the losses its log ends with."""
+    windows of its --seq_len tokens, its dtype, and documents kept apart where it kept them): the losses its log
+    ends with."""
     import eval as ev
-    run(corpus, tmp_path / "run", f"--tokens={2 * STEP_TOKENS}")
+    run(corpus, tmp_path / "run", f"--tokens={2 * STEP_TOKENS}", *flags)
     last = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if "val_mlm" in line][-1]
     got = ev.mlm(str(tmp_path / "run"), corpus, device="cpu")
-    assert got == pytest.approx({"val_mlm": last["val_mlm"], "val_clm": last["val_clm"]}, abs=1e-4)
+    assert got == pytest.approx({"val_mlm": last["val_mlm"], "val_clm": last["val_clm"]}, abs=2e-6)
+    setting = ev.validation_setting(ev.inspect_model(tmp_path / "run", ev.ModernBERT), corpus)
+    want = (2, 128, "float32", data.load_meta(corpus)["sep_id"]) if flags else (2, 128, "bfloat16", None)
+    assert setting == want
 
 
 def test_a_continued_run_states_the_architecture_it_keeps(corpus, tmp_path, monkeypatch, capsys):
