@@ -70,7 +70,7 @@ class Run:
     code: dict  # the code version, saved with every checkpoint
     earlier_code: list  # [{until_step, code}]: the code of this phase's steps before a resume under other code
     wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
-    reloaded: dict = None  # what hf.check_saved found at this invocation's first save ({} where it failed)
+    reloaded: dict = None  # what hf.check_saved found at this invocation's first save (None where it failed)
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -360,7 +360,7 @@ def saved(r, learning_rate):
         found = []
         cli.side_job("the check that the saved model reloads as it trained",
                      lambda: found.append(check_saved(r.model, r.run_dir.path)))
-        r.reloaded = found[0] if found else {}
+        r.reloaded = found[0] if found else {"failed": True}
     r.wrote["README.md"] = cli.side_job("the model card", lambda: r.run_dir.write_card(card(r, learning_rate)))
     print(f"saved {r.run_dir.path} at step {r.phase_step}", flush=True)
 
@@ -432,6 +432,9 @@ def loads(found):
     """The card's sentence on loading the model, from what hf.check_saved found (`found`: {loader: difference}) after
     this invocation's first save."""
     how, found = "`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`)", found or {}
+    if found.get("failed"):
+        return (f"It is written for {how}; whether it reloads as it trained was not checked (the check failed: the "
+                f"run's output says why).")
     ours, theirs = found.get("model.py", 0.0), found.get("transformers")
     if ours > RELOAD_TOLERANCE:
         return (f"**It does not reload as the model that trained**: reloaded, even by model.py, its logits on a test "

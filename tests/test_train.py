@@ -337,7 +337,11 @@ def test_a_save_that_would_not_reload_as_it_trained_says_so(corpus, tmp_path, mo
         assert "**transformers loads it as another model**" in card("silu") and "as it trained (" not in card("silu")
         mp.setitem(sys.modules, "transformers", None)  # not installed: no oracle, and the card does not claim one
         run(corpus, tmp_path / "unchecked", *flags)
-        assert "whether transformers loads it as it trained was not checked" in card("unchecked")
+        assert "whether transformers loads it as it trained was not checked (transformers was not installed" in \
+            card("unchecked")
+        mp.setattr(train.progress, "check_saved", lambda *a: 1 / 0)  # the check itself fails: a warning, and the card
+        run(corpus, tmp_path / "failed", *flags)                      # says it was not checked, not why it guesses
+        assert "whether it reloads as it trained was not checked (the check failed" in card("failed")
     capsys.readouterr()
     build = train.build_model
 
