@@ -231,7 +231,7 @@ class ModernBERT(nn.Module):
     def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
         self.config = config  # backend: a name in BACKENDS, or "auto"; "reference" if the attention above was edited
-        self.backend = page_backend(backend, reference_attention, mask_rule)
+        self.backend = page_backend(backend, reference_attention, mask_rule, config.window)
         self.loss = loss  # a name in LOSSES; "fused" is refused if cross_entropy above was edited
         if loss == "fused":
             check_fused(cross_entropy)

@@ -191,21 +191,25 @@ class Reference(SDPA):
         return None
 
 
-@functools.cache  # once per process: the page does not change while it runs
-def attention_gap(reference, rule):
+@functools.cache  # once per process and window: the page does not change while it runs
+def attention_gap(reference, rule, window):
     """How far model.py's attention as it is now (`reference` over `rule`'s masks) is from what every other backend
-    computes, on small random batches in float64: the largest difference over the real tokens' outputs. The other
-    backends compute the attention as first written (tests/test_backends.py holds them equal to it); an edit on the
-    page (a soft cap on the scores, a prefix-LM mask) is not theirs. What they compute is written here again, apart
-    from model.py, so that an edit there shows: SDPA over the keys of the query's own document and window, never
-    padding, none after the query when causal, the query itself always. NaN where the page gives NaN."""
+    computes, at the model's `window`, on small random batches in float64: the largest difference over the real
+    tokens' outputs. The other backends compute the attention as first written (tests/test_backends.py holds them
+    equal to it); an edit on the page (a soft cap on the scores, a prefix-LM mask) is not theirs. What they compute
+    is written here again, apart from model.py, so that an edit there shows: SDPA over the keys of the query's own
+    document and window, never padding, none after the query when causal, the query itself always. Sequences of two
+    windows and more, so that a limit on the global layers' reach below that shows too; three heads of other scales
+    and a head size whose square root is no whole number, so that few edits coincide with the original on them. NaN
+    where the page gives NaN."""
     cpu = torch.device("cpu")  # even where models are being built on another device (the meta one, for a count)
     g = torch.Generator(cpu).manual_seed(0)
-    B, T, H, D, window = 2, 12, 2, 4, 2
+    B, T, H, D = 2, 2 * window + 24, 3, 6
     q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64, device=cpu) for _ in range(3))
+    q = q * torch.tensor([0.5, 2.0, 6.0], dtype=torch.float64, device=cpu)[:, None]  # scores small to past +-8
     i = torch.arange(T, device=cpu)
     real = i < torch.tensor([[T], [T - 3]], device=cpu)  # (B, T): the second sequence ends in padding
-    doc_ids = (i >= torch.tensor([[5], [T]], device=cpu)).long()  # (B, T): the first holds two documents
+    doc_ids = (i >= torch.tensor([[T // 3], [T]], device=cpu)).long()  # (B, T): the first holds two documents
     gaps = []
     for causal, local, masked in itertools.product((False, True), repeat=3):
         see = torch.ones(B, T, T, dtype=torch.bool, device=cpu)  # (B, T, T): query i, key j
@@ -223,13 +227,13 @@ def attention_gap(reference, rule):
     return torch.stack(gaps).max().item()
 
 
-def page_backend(requested, reference, rule):
+def page_backend(requested, reference, rule, window):
     """The backend a model built with `requested` runs, given model.py's attention as it is now (`reference`,
-    `rule`): `requested` while the page computes what the backends do (attention_gap), else the reference, the only
-    one that runs an edit. auto then takes it and says so; a fast backend named is refused (it would train the
-    attention as first written, not the page's)."""
-    gap = attention_gap(reference, rule) if requested != "reference" else 0.0
-    if gap <= 1e-9:  # float64: an edit that changes the numbers at all shows far above this
+    `rule`, at the model's `window`): `requested` while the page computes what the backends do (attention_gap), else
+    the reference, the only one that runs an edit. auto then takes it and says so; a fast backend named is refused
+    (it would train the attention as first written, not the page's)."""
+    gap = attention_gap(reference, rule, window) if requested != "reference" else 0.0
+    if gap <= 1e-5:  # float64 rounds at 1e-15; a step in float32 on the page (its softmax) moves it 1e-6, no more
         return requested
     if requested == "auto":
         _say_once(f"warning: model.py's attention (reference_attention, mask_rule) computes something else than the "

@@ -126,11 +126,12 @@ def test_auto_never_picks_the_reference():
         kernels.pick_backend(cpu, "referense")
 
 
-@pytest.mark.parametrize("edit", ["reference_attention", "mask_rule"])
+@pytest.mark.parametrize("edit", ["reference_attention", "mask_rule", "global reach"])
 def test_an_edit_to_the_attention_on_the_page_is_what_runs(monkeypatch, capsys, edit):
     """The fast backends compute model.py's attention as first written. While the page computes the same (however
-    written) auto picks them; once it is edited (sharper scores; a prefix of keys every query sees) the model runs
-    the page on the reference backend and says so once, and a fast backend asked for by name is refused."""
+    written: its softmax in float32 too) auto picks them; once it is edited (sharper scores; a prefix of keys every
+    query sees; global layers that reach 100 keys, beyond the local window) the model runs the page on the reference
+    backend and says so once, and a fast backend asked for by name is refused."""
     def attentive():  # attention weighs in the output (at init its projections are too small for an edit to show)
         model = tiny_model(seed=1)
         with torch.no_grad():
@@ -141,13 +142,24 @@ def test_an_edit_to_the_attention_on_the_page_is_what_runs(monkeypatch, capsys, 
 
     ids = torch.randint(3, 200, (2, 160), generator=torch.Generator().manual_seed(0))  # past the 64-key window
     want = {causal: attentive().encode(ids, causal=causal) for causal in (False, True)}
-    plain = getattr(M, edit)
-    same = {"reference_attention": lambda q, k, v, keep: plain(q, k, v, keep), "mask_rule": lambda *a: plain(*a)}
-    monkeypatch.setattr(M, edit, same[edit])
+    name = "reference_attention" if edit == "reference_attention" else "mask_rule"
+    plain = getattr(M, name)
+
+    def float32_softmax(q, k, v, keep):  # the same attention, its softmax a step in float32
+        see = keep(torch.arange(q.shape[0])[:, None, None], None, *(torch.arange(q.shape[1])[None, :, None],
+                                                                   torch.arange(q.shape[1])[None, None, :]))
+        scores = torch.einsum("bihd,bjhd->bhij", q, k) * q.shape[-1] ** -0.5
+        weights = scores.masked_fill(~see[:, None], float("-inf")).float().softmax(-1).to(q.dtype)
+        return torch.einsum("bhij,bjhd->bihd", weights, v)
+    same = {"reference_attention": float32_softmax, "mask_rule": lambda *a: plain(*a)}
+    monkeypatch.setattr(M, name, same[name])
     assert tiny_model(seed=1).backend == "auto" and "warning" not in capsys.readouterr().err
+    reach = lambda keep: lambda b, h, i, j: keep(b, h, i, j) & (((i - j).abs() <= 100) | (i == j))  # noqa: E731
     edited = {"reference_attention": lambda q, k, v, keep: plain(1.5 * q, k, v, keep),
-              "mask_rule": lambda *a: (lambda keep: lambda b, h, i, j: keep(b, h, i, j) | (j < 4))(plain(*a))}
-    monkeypatch.setattr(M, edit, edited[edit])
+              "mask_rule": lambda *a: (lambda keep: lambda b, h, i, j: keep(b, h, i, j) | (j < 4))(plain(*a)),
+              "global reach": lambda causal, window, local, *rest: (plain(causal, window, local, *rest) if local else
+                                                                    reach(plain(causal, window, local, *rest)))}
+    monkeypatch.setattr(M, name, edited[edit])
     model = attentive()
     assert model.backend == "reference"
     assert capsys.readouterr().err.startswith("warning: model.py's attention (reference_attention, mask_rule) computes")
