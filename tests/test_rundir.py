@@ -434,7 +434,8 @@ def card_of(tmp_path, **flags):
                 sources=[dict(name="code", documents=12, sha256="ab" * 32)])
     r = argparse.Namespace(cfg=cfg, history=[], phase_step=4, phase_tokens=2048, schedule_start=0, meta=meta,
                            model=tiny_model(), run_dir=argparse.Namespace(log_path=str(log)),
-                           loader=argparse.Namespace(sequence=16, n_windows=8), wrote={"loss.png": True})
+                           loader=argparse.Namespace(sequence=16, n_windows=8), wrote={"loss.png": True},
+                           reloaded={"model.py": 0.0, "transformers": 0.0})  # what the check at a save found
     return progress.card(r, train.learning_rate)
 
 
