@@ -63,9 +63,11 @@ def bisect(cdf, p, high):
 
 
 def t_quantile(p, df):
-    """Student's t quantile (p > 0.5) with df degrees of freedom (`whole`), by Newton's steps on t_cdf from the
-    normal quantile: t's cdf is concave above 0 and its quantile above the normal's, so each step lands below the
-    root and the steps rise to it; the normal quantile beyond 1,000."""
+    """Student's t quantile with df degrees of freedom (`whole`), by Newton's steps on t_cdf from the normal
+    quantile: t's cdf is concave above 0 and its quantile above the normal's, so each step lands below the root and
+    the steps rise to it (below 0.5, the same by symmetry); the normal quantile beyond 1,000."""
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
     df, x = whole(df), NormalDist().inv_cdf(p)
     if df > 1000:
         return x
