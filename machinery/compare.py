@@ -8,12 +8,12 @@ they are read on; whether a model learned anything a task can rank; and the comp
 `eval.py table` and reproduce.py's reports print. It imports nothing of the lesson: eval.py hands it the task kinds
 (how predictions become counts and scores).
 
-The design. The unit of an arm is a pretraining run (a replicate); fine-tuning seeds and test examples are nested
-in it. Replicate r of every arm shares its data order and its fine-tuning seeds (a seed: the same classifier init and
+The design. The unit of an arm is a pretraining run (a replicate); fine-tuning seeds and test examples are nested in
+it. Replicate r of every arm shares its data order and its fine-tuning seeds (a seed: the same classifier init and
 data order for every arm of the replicate; reproduce.py gives each replicate seeds of its own, so that a seed's
 effect on an arm is nested in its replicate, as the variance components read it), and every model is scored on the
-same test examples, so differences are paired at every level. Settings are chosen on dev, a replicate's learning rate on the other replicates' dev scores and a run's
-checkpoint on its own; test is read once, for that setting.
+same test examples, so differences are paired at every level. Settings are chosen on dev, a replicate's learning
+rate on the other replicates' dev scores and a run's checkpoint on its own; test is read once, for that setting.
 """
 import functools
 import math
