@@ -230,8 +230,8 @@ class ModernBERT(nn.Module):
 
     def __init__(self, config: ModernBERTConfig, backend: str = "auto", loss: str = "plain"):
         super().__init__()
-        self.config = config  # backend: a name in BACKENDS, or "auto"; "reference" if the attention above was edited
-        self.backend = page_backend(backend, reference_attention, mask_rule, config.window)
+        self.config = config
+        self.backend = page_backend(backend, reference_attention, mask_rule, config.window)  # reference if edited
         self.loss = loss  # a name in LOSSES; "fused" is refused if cross_entropy above was edited
         if loss == "fused":
             check_fused(cross_entropy)

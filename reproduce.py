@@ -195,12 +195,13 @@ def ft_path(out, model, lr):
 
 
 def ft_seeds(s, r):
-    """Replicate r's fine-tuning seeds: the scale's, moved past those of the replicates before it (42,43; 44,45; ...).
+    """Replicate r's fine-tuning seeds: the scale's, moved past those of the replicates before it (42,43; 44,45; ...;
+    past their whole span, so that no two replicates share one however the scale's are spaced).
     Every arm of a replicate shares them, so its runs pair seed by seed; no two replicates do, so that how an arm
     fares on one seed is a draw of its own in each replicate, which the replicates' spread (the interval) holds,
     and not one draw that every replicate repeats and no interval sees."""
     first = [int(x) for x in str(s["ft"]["seeds"]).split(",")]
-    return ",".join(str(x + (r - 1) * len(first)) for x in first)
+    return ",".join(str(x + (r - 1) * (max(first) - min(first) + 1)) for x in first)
 
 
 def finetune_stages(s, out, tasks, study, R):

@@ -228,6 +228,17 @@ def launcher(script):
             "<rendezvous flags of the job, on every machine>", path]
 
 
+_said = set()  # the messages this process has printed: each is said once
+
+
+def say_once(message):
+    """A warning on stderr, once per process however often its cause comes back (a picture drawn at every save, a
+    model built per fine-tuning seed), and under torchrun by rank 0 alone."""
+    if message not in _said and reports_errors():
+        _said.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+
 def reports_errors():
     """Whether this process prints an error: not the ranks above 0 of a torchrun job (all ranks meet the same
     errors; one line is enough), but any process whose variables are leftovers (the error may be about them)."""
@@ -575,18 +586,18 @@ def check_planned_code():
     planned, now = json.loads(os.environ.get(PLANNED) or "null"), source_digest()
     if planned is None:
         return
+    changed = changed_versions(planned["versions"], versions())
     if planned["code"] != now:
         what = (f"other code than its experiment was planned with ({planned['code'][:12]} then, {now[:12]} now: a .py "
                 f"file of the repository changed while the experiment ran)")
-    elif changed_versions(planned["versions"], versions()):
-        what = (f"on other packages than its experiment was planned with "
-                f"({changed_versions(planned['versions'], versions())})")
+    elif changed:
+        what = f"on other packages than its experiment was planned with ({changed})"
     else:
         return
     raise InputError(f"this stage of a reproduce.py experiment would run {what}, and its results would be reported "
                      f"under the plan's name. Restore what the experiment started with and run the same command "
                      f"again (the finished stages stay), or choose a new --out; a long study is best run from a copy "
-                     f"of the code that nobody edits (git worktree add DIR COMMIT)")
+                     f"of the code that nobody edits (git worktree add DIR COMMIT)", every_rank=True)  # its own read
 
 
 def changed_versions(before, now):

@@ -315,7 +315,7 @@ def project(c, replicates, seeds, examples, reading="point"):
     """The standard error, degrees of freedom and detectable difference (80% power) of a design with this many
     replicates, seeds and test examples, from a comparison's variance components at a reading (see above): the
     replicate term (replicate + seed / seeds) / replicates on arms (replicates - 1) degrees of freedom, the example
-    term shared / examples (examples_part). At the measured design the point reading is the comparison's own
+    term the shared part / examples, and more on fewer examples (examples_part). At the measured design the point reading is the comparison's own
     standard error, so a report's detectable difference comes back, unless its replicate part was below 0. One
     replicate: the seeds are the top level and pretraining noise is not counted (as `interval`)."""
     replicate, seed = split(c, reading)
@@ -326,7 +326,7 @@ def project(c, replicates, seeds, examples, reading="point"):
         v_runs, units = (replicate + seed / seeds) / replicates, replicates
     else:
         v_runs, units = seed / seeds, seeds
-    v_examples = examples_part(c, examples)
+    v_examples = examples_part(c, examples, replicates * seeds)
     v, k = v_runs + v_examples, c["arms"] * (units - 1)
     df = v * v / (v_runs * v_runs / k) if v_runs > 0 and k else math.inf
     return {"se": math.sqrt(v), "df": df, "detectable": detectable(v_runs, v_examples, k)}
@@ -338,11 +338,13 @@ def shared_examples(m, runs):
     return max(0.0, m["example_var"] - m["example_run_var"] / runs)
 
 
-def examples_part(c, examples):
-    """The test examples' part of the variance of a mean over runs on `examples` test examples: the part every run
-    shares. What differs between runs is in the runs' part, as measured on the comparison's own test set (a larger
-    one would shrink it: the projection keeps it, erring wide)."""
-    return shared_examples(c, c["replicates"] * c["seeds"]) / examples
+def examples_part(c, examples, runs=math.inf):
+    """The test examples' part of the variance of a mean over `runs` runs on `examples` test examples: the part every
+    run shares; and, on fewer test examples than the comparison's, what each run's own luck on them adds beyond what
+    the runs' part holds (that part was measured on the comparison's test set; on a larger one the projection keeps
+    it as measured, erring wide)."""
+    more = max(0.0, 1 / examples - 1 / c["examples"]) * c["example_run_var"] / runs
+    return shared_examples(c, c["replicates"] * c["seeds"]) / examples + more
 
 
 def floor(c, examples):

@@ -10,18 +10,9 @@ import contextlib
 import json
 import math
 import os
-import sys
 
 from machinery import rundir
-from machinery.cli import InputError, check_outputs, read_json
-
-_said = set()  # the messages this process has printed: each is said once, however often the trainer draws
-
-
-def say_once(message):
-    if message not in _said:
-        _said.add(message)
-        print(message, file=sys.stderr, flush=True)
+from machinery.cli import InputError, check_outputs, read_json, say_once
 
 
 # -----------------------------------------------------------------------------

@@ -162,8 +162,8 @@ def main(data, argv=None):
         print(f"{path}: {path.stat().st_size / 1e6:.1f} MB of docstrings")
     elif a.command == "code":
         path, heldout, trained, held = write_code(a.out, a.heldout, a.max_bytes)
-        print(f"{path}: {trained:,} functions and classes, {path.stat().st_size / 1e6:.1f} MB\n{heldout}: {held:,} texts of "
-              f"held-out modules, {heldout.stat().st_size / 1e6:.1f} MB (texts for eval.py cka and needle --texts)\n"
+        print(f"{path}: {trained:,} functions and classes, {path.stat().st_size / 1e6:.1f} MB\n{heldout}: {held:,} "
+              f"texts of held-out modules, {heldout.stat().st_size / 1e6:.1f} MB (texts for eval.py cka and needle --texts)\n"
               f"to prepare it with the demo's tokenizer (python train.py builds data/demo): python data.py prepare "
               f"--input {path} --tokenizer data/demo/tokenizer.json --out {path.with_suffix('')} --val_fraction 0.02")
     elif a.command == "fetch":

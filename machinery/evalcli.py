@@ -103,9 +103,9 @@ def parser(ev, needle):
     m = command(ev.mlm, [device], "validation MLM and CLM loss on val.bin")
     m.add_argument("model", help="a model folder, run directory or hub id")
     m.add_argument("--data", required=True, help="a folder data.py prepared (meta.json, val.bin)")
-    m.add_argument("--n_sequences", type=positive_int, help="validation windows read; None: as the run was validated "
-                   "(--eval_sequences), 64 for a model folder")
-    m.add_argument("--seq_len", type=positive_int, help="tokens per window; None: the run's, 512 for a model folder")
+    m.add_argument("--n_sequences", type=positive_int, help="validation windows read (default: as the run was validated, "
+                   "its --eval_sequences; 64 for a model folder)")
+    m.add_argument("--seq_len", type=positive_int, help="tokens per window (default: the run's; 512 for a model folder)")
     m.add_argument("--batch_size", type=positive_int, help="windows per forward pass")
     needle_flags(command(needle.needle, [device], "needle in a haystack: a value read far back, filled at [MASK]s"))
     k = command(ev.curves, [], "loss curves: one run across its phases, or several runs on shared axes")

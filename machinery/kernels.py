@@ -4,12 +4,11 @@ this file: model.py's reference_attention and F.cross_entropy compute the same n
 import functools
 import inspect
 import itertools
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from machinery.cli import InputError
+from machinery.cli import InputError, say_once
 
 try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained with
     from flash_attn import flash_attn_varlen_func
@@ -191,19 +190,20 @@ class Reference(SDPA):
         return None
 
 
-@functools.cache  # once per process and window: the page does not change while it runs
-def attention_gap(reference, rule, window):
+@functools.cache  # once per process and window: a new process reads the page again (an edit to a constant the two
+def attention_gap(reference, rule, window):  # functions read, made in a process after a model was built, is not seen)
     """How far model.py's attention as it is now (`reference` over `rule`'s masks) is from what every other backend
     computes, at the model's `window`, on small random batches in float64: the largest difference over the real
     tokens' outputs. The other backends compute the attention as first written (tests/test_backends.py holds them
     equal to it); an edit on the page (a soft cap on the scores, a prefix-LM mask) is not theirs. What they compute
     is written here again, apart from model.py, so that an edit there shows: SDPA over the keys of the query's own
     document and window, never padding, none after the query when causal, the query itself always. Sequences of two
-    windows and more, so that a limit on the global layers' reach below that shows too; three heads of other scales
-    and a head size whose square root is no whole number, so that few edits coincide with the original on them. NaN
-    where the page gives NaN."""
+    windows and more (a window of at most 116 keys: at most 256 tokens, whatever the model's), so that a limit on
+    the global layers' reach below that shows too; three heads of other scales and a head size whose square root is
+    no whole number, so that few edits coincide with the original on them. NaN where the page gives NaN."""
     cpu = torch.device("cpu")  # even where models are being built on another device (the meta one, for a count)
     g = torch.Generator(cpu).manual_seed(0)
+    window = min(window, 116)  # the cost grows with T^2: a long window is checked at 116
     B, T, H, D = 2, 2 * window + 24, 3, 6
     q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64, device=cpu) for _ in range(3))
     q = q * torch.tensor([0.5, 2.0, 6.0], dtype=torch.float64, device=cpu)[:, None]  # scores small to past +-8
@@ -236,16 +236,13 @@ def page_backend(requested, reference, rule, window):
     if gap <= 1e-5:  # float64 rounds at 1e-15; a step in float32 on the page (its softmax) moves it 1e-6, no more
         return requested
     if requested == "auto":
-        _say_once(f"warning: model.py's attention (reference_attention, mask_rule) computes something else than the "
+        say_once(f"warning: model.py's attention (reference_attention, mask_rule) computes something else than the "
                   f"fast backends do ({gap:.2g} apart on a test batch): it runs as written, on the reference backend "
                   f"(every score materialised: slower, more memory)")
         return "reference"
     raise InputError(f"attention backend {requested!r} computes model.py's attention as first written, and "
                      f"reference_attention or mask_rule there now compute something else ({gap:.2g} apart on a test "
                      f"batch): train with the attention on the page (--backend=reference, or auto, which picks it)")
-
-
-_say_once = functools.cache(lambda text: print(text, file=sys.stderr, flush=True))
 
 
 # shape-only masks (no padding, no documents): training builds them once per (backend, shape, mode)

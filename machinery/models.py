@@ -72,7 +72,9 @@ def load_weights(info, device):
 def validation_setting(info, data, n_sequences=None, seq_len=None):
     """(windows, tokens per window, dtype, document separator id or None) to validate the model of inspect_model's
     `info` on `data` as train.py validated it, where it is a run of ours (its config's eval_sequences, seq_len, dtype
-    and separate_documents), else on 64 x 512 in bfloat16 across documents; the windows and length asked for win."""
+    and separate_documents), else on 64 x 512 in bfloat16 across documents; the windows and length asked for win.
+    The dtype is autocast's on a GPU only, as in train.py: a run trained on a CPU validated in float32, and its
+    numbers on a GPU differ by bfloat16's rounding."""
     from machinery.rundir import latest_state
     state = latest_state(str(info["dir"]))
     config = state["config"] if state else {}

@@ -70,7 +70,7 @@ class Run:
     code: dict  # the code version, saved with every checkpoint
     earlier_code: list  # [{until_step, code}]: the code of this phase's steps before a resume under other code
     wrote: dict = field(default_factory=dict)  # side jobs of the last save: {"loss.png": drawn, "README.md": written}
-    reloaded: dict = None  # what hf.check_saved found at this invocation's first save (None where it failed)
+    reloaded: dict = None  # what hf.check_saved found at this invocation's first save (None: not yet checked)
 
 
 def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_rate):
@@ -431,19 +431,19 @@ def card(r, learning_rate):
 def loads(found):
     """The card's sentence on loading the model, from what hf.check_saved found (`found`: {loader: difference}) after
     this invocation's first save."""
-    how, found = "`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`)", found or {}
+    how = "`transformers` (`AutoModelForMaskedLM`, `pipeline(\"fill-mask\")`)"
     if found.get("failed"):
         return (f"It is written for {how}; whether it reloads as it trained was not checked (the check failed: the "
                 f"run's output says why).")
-    ours, theirs = found.get("model.py", 0.0), found.get("transformers")
-    if ours > RELOAD_TOLERANCE:
+    ours, theirs = found["model.py"], found.get("transformers")
+    if not ours <= RELOAD_TOLERANCE:  # NaN too
         return (f"**It does not reload as the model that trained**: reloaded, even by model.py, its logits on a test "
                 f"sequence differ from the trained model's by {ours:.2g} of the largest (a module or attribute changed "
                 f"after the model was built, which config.json does not hold).")
     if theirs is None:
         return (f"It is written for {how}; whether transformers loads it as it trained was not checked (transformers "
                 f"was not installed where it trained).")
-    if theirs <= RELOAD_TOLERANCE:
+    if theirs <= RELOAD_TOLERANCE:  # NaN is not
         return f"It loads with {how} as it trained (checked after a save: the same logits on a test sequence)."
     return (f"**transformers loads it as another model**: on a test sequence its logits differ from the trained "
             f"model's by {theirs:.2g} of the largest (model.py computed something config.json does not describe, "

@@ -718,7 +718,7 @@ def _checked_state(state, phases=None, fields=None):
         raise _Bad("(top level)", f"expected an object, got {_show(state)}")
     if "step" in state and "adam_t" not in state:  # a checkpoint written before Adam's t had its own name
         state = {("adam_t" if key == "step" else key): value for key, value in state.items()}
-    for key in STATE_FIELDS.keys() - OPTIONAL:
+    for key in [k for k in STATE_FIELDS if k not in OPTIONAL]:
         if key not in state:
             raise _Bad(key, "missing")
     for key, value in state.items():

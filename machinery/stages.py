@@ -341,9 +341,10 @@ def run(stages, out, plan, jobs, cores):
 def check_unchanged(plan):
     """An InputError if the code on disk is no longer the code the experiment was planned with: what reads it now
     (the report's modules) would be other code than the stages ran."""
-    if source_digest(now=True) != plan["code"]:
+    now = source_digest(now=True)
+    if now != plan["code"]:
         raise InputError(f"every stage has finished, but the code changed while the experiment ran (a .py file of the "
-                         f"repository; {plan['code'][:12]} then, {source_digest(now=True)[:12]} now): the report would "
+                         f"repository; {plan['code'][:12]} then, {now[:12]} now): the report would "
                          f"be written by other code. Restore what the experiment started with and run the same command "
                          f"again (no stage runs again)")
 

@@ -48,7 +48,8 @@ def make_run(path, records, state=None, step=10, tail=""):
 @pytest.fixture(autouse=True)
 def fresh_messages(monkeypatch):
     """Each test sees the once-per-process messages afresh."""
-    monkeypatch.setattr(curves, "_said", set())
+    from machinery import cli
+    monkeypatch.setattr(cli, "_said", set())
 
 
 def tokens(records):

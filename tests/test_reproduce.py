@@ -166,7 +166,8 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     assert set(comparison["tasks"]) == {"ncbi_disease", "chemprot", "pubmedqa"} and comparison["left_out"] == {}
     assert comparison["tasks"]["pubmedqa"]["dev_split"] == {"own": 50, "carved_from_train": 10, "dev_min": 60}
     for t in comparison["tasks"].values():
-        assert list(t["arms"]) == final and t["replicates"] == 2 and t["seeds"] == ["42", "43", "44"]
+        assert list(t["arms"]) == final and t["replicates"] == 2
+        assert t["seeds"] == [["42", "43", "44"], ["45", "46", "47"]]  # each replicate's own
         assert all(row["runs"] == 6 and row["setting"] == "0.001" for row in t["arms"].values())
     assert list(report["losses"]["the decayed models"]) == final
     runs = set(report["runs"])
@@ -179,7 +180,8 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     text = (out / "report.md").read_text()
     lines = text.splitlines()
     assert lines[2].startswith("**Smoke scale") and "test the pipeline only" in lines[2]
-    assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text and "3 seeds (42, 43, 44)" in text
+    assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text
+    assert "3 seeds per model, replicate and lr, each replicate's own, shared by its arms (42,43,44; 45,46,47)" in text
     from machinery import cli
     assert report["versions"] == cli.versions() and "(every script and machinery module); python " in text
     assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "Trend with depth" in text

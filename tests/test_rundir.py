@@ -831,6 +831,19 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
     assert len({v["sha256"] for v in versions.values()}) == 3
 
 
+def test_a_checkpoint_written_before_earlier_code_existed_validates_and_resumes_its_record(monkeypatch):
+    """earlier_code is optional: a state.json without it (older checkpoints) validates, and a resume of it starts
+    the record from its code (the code up to its step, where this resume runs other code; nothing where the same)."""
+    old = {**make_state(4), "files": {}}
+    assert "earlier_code" not in old and validate_state(old, "s.json", PHASES, FIELDS) == old
+    now = {"git": None, "sha256": "1" * 16, "versions": old["code"]["versions"]}
+    monkeypatch.setattr(rundir, "code_version", lambda: now)
+    assert rundir.code_record(old) == {"code": now, "earlier_code": [{"until_step": 4, "code": old["code"]}]}
+    monkeypatch.setattr(rundir, "code_version", lambda: old["code"])
+    assert rundir.code_record(old) == {"code": old["code"], "earlier_code": []}
+    assert rundir.code_record(None) == {"code": old["code"], "earlier_code": []}  # not a resume
+
+
 def test_the_versions_a_result_records_are_the_installed_packages():
     """cli.versions reads the packages' metadata without importing them: the same versions the imported packages
     report (torch's with its build), and changed_versions names what differs between two records."""

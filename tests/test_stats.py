@@ -253,7 +253,8 @@ def test_a_reading_never_rests_on_a_replicate_part_below_0():
     """Noise can put the method of moments' replicate part below 0 (the means vary less than their seeds predict).
     The point reading takes 0 and the means' whole spread as seed noise: at the measured design the projection is
     the means' variance; 2 seeds -> 4 halves it, 2 -> 1 doubles it. The readings at the bounds of the means'
-    variance bracket it. The examples' part is what every run shares: what differs between runs is in their spread."""
+    variance bracket it. The examples' part is what every run shares: what differs between runs is in their spread
+    (and grows on fewer test examples)."""
     c = dict(replicates=3, seeds=2, examples=100, arms=4, top_var=1e-4, top_df=8, seed_var=4e-4, seed_df=12,
              replicate_var=-1e-4, seeds_inside=False, example_var=0.05, example_run_var=0.06)
     shared = 0.05 - 0.06 / 6
@@ -261,6 +262,8 @@ def test_a_reading_never_rests_on_a_replicate_part_below_0():
     assert cmp.project(c, 3, 2, 100)["se"] ** 2 == pytest.approx(1e-4 / 3 + shared / 100)
     assert cmp.project(c, 3, 4, 100)["se"] ** 2 == pytest.approx(0.5e-4 / 3 + shared / 100)
     assert cmp.project(c, 3, 1, 100)["se"] ** 2 == pytest.approx(2e-4 / 3 + shared / 100)
+    # on half the test examples each run's own luck on them doubles: the runs' part, measured on 100, grows by it
+    assert cmp.project(c, 3, 2, 50)["se"] ** 2 == pytest.approx(1e-4 / 3 + shared / 50 + 0.06 * (1 / 50 - 1 / 100) / 6)
     at = [cmp.project(c, 6, 2, 100, reading)["detectable"] for reading in cmp.READINGS]
     assert at[0] < at[1] < at[2]
     wide = {**c, "top_var": 1e-2, "replicate_var": 1e-2 - 2e-4}  # pooled over 4 arms: 8 degrees of freedom, not 2
