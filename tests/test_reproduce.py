@@ -24,6 +24,11 @@ def reproduce(*args, **kwargs):
                             stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def dry(args):
+    """A run's flags as its dry run takes them: --jobs (stages side by side) is a run's alone, refused there."""
+    return [a for a in args if not a.startswith("--jobs=")] + ["--dry_run"]
+
+
 def finished(proc):
     out, _ = proc.communicate()
     assert proc.returncode == 0, out[-4000:]
@@ -221,7 +226,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
             edited.write_bytes((text[:i] + "a" + text[i + 1:]).encode())
         if not edited:  # the flag replaced, or added
             args = [a for a in args if a.split("=")[0] != change[0].split("=")[0]] + change
-        line, _ = refused(*args, "--dry_run")
+        line, _ = refused(*dry(args))
         assert line.startswith(f"error: --out={out} holds the results of another command (detour at scale smoke")
         assert cause in line and "choose a new --out" in line
         assert refused(*args)[0] == line
@@ -234,7 +239,7 @@ def test_another_command_on_a_finished_experiment_is_refused_naming_the_stages(d
 @pytest.mark.slow  # the detour's smoke run: about a minute
 def test_the_same_command_dry_run_lists_every_stage_finished(detour):
     out, args, _, _, _ = detour
-    text = finished(reproduce(*args, "--dry_run"))
+    text = finished(reproduce(*dry(args)))
     assert text.splitlines()[-1] == f"39 stages (39 finished in {out}); inputs checked; nothing was run (--dry_run)"
 
 
