@@ -260,13 +260,16 @@ def test_one_process_runs_with_torchruns_variables_and_others_are_awaited_with_a
     (torch.distributed.DistStoreError, ["rank 0 of 2 did not meet the others at localhost:29400", "torchrun"])],
     ids=["nccl", "store"])
 def test_only_the_stores_failures_read_as_a_missed_rendezvous(error, words, environment, monkeypatch, demo_corpus,
-                                                              tmp_path, capsys):
+                                                              tmp_path, capsys, request):
     """On GPUs (faked): NCCL failing to start its communicator (a driver, a network interface, two ranks on one
     GPU) passes through in its own words with what to check; only the store's failure says the others never came."""
     environment(dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **TORCHRUN))
     monkeypatch.setattr("machinery.cli.pick_device", lambda *args, **kwargs: torch.device("cuda:0"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # train.py turns TF32 on for a CUDA device: put it back after (saved by hand, since cuBLAS's flags are no
+    # attributes that monkeypatch can restore: pytest 9.2 would delete them)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    request.addfinalizer(lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", tf32))
 
     def init_process_group(backend, **kwargs):
         raise error("NCCL error in: init.cc:1 unhandled cuda error\nLast error: more words")
