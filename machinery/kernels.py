@@ -237,8 +237,8 @@ def page_backend(requested, reference, rule, window):
         return requested
     if requested == "auto":
         say_once(f"warning: model.py's attention (reference_attention, mask_rule) computes something else than the "
-                  f"fast backends do ({gap:.2g} apart on a test batch): it runs as written, on the reference backend "
-                  f"(every score materialised: slower, more memory)")
+                 f"fast backends do ({gap:.2g} apart on a test batch): it runs as written, on the reference backend "
+                 f"(every score materialised: slower, more memory)")
         return "reference"
     raise InputError(f"attention backend {requested!r} computes model.py's attention as first written, and "
                      f"reference_attention or mask_rule there now compute something else ({gap:.2g} apart on a test "
