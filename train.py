@@ -426,13 +426,13 @@ def setup(given):
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     frozen = freeze.frozen_names(model, freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers))
     optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
+    torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks; a resume restores its own next
     phase_step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
     start = schedule_start(cfg, how, state)
     if rank == 0:
         progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
         progress.architecture(model.config, source, source and flags.unlike_fresh(
             model.config, lambda preset: fresh_config(dataclasses.replace(cfg, preset=preset), meta), PRESETS))
-    torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks
     kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises
     if cfg.compile and device.type in COMPILERS:
         kernels.compile_blocks(model, COMPILERS[device.type])

@@ -1,5 +1,6 @@
 """bench.py gpu-report's plumbing: the GPU suite run in a process of its own within a time limit, each test's result
 as it ends, the machine and versions, and the markdown sections. A reader of the recipe may skip this file."""
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -29,6 +30,9 @@ def run_suite(command, results, seconds):
     try:
         return process.wait(timeout=max(1.0, seconds)), time.monotonic() - start
     except subprocess.TimeoutExpired:
+        # torchrun starts its workers in sessions of their own, beyond the group's signals: a training left running
+        # would share the GPU with the benchmarks that follow
+        below = descendants(process.pid)
         for sig, grace in ((signal.SIGINT, 20), (signal.SIGKILL, 20)):  # pytest ends on SIGINT, workers too
             os.killpg(process.pid, sig)
             try:
@@ -36,7 +40,29 @@ def run_suite(command, results, seconds):
                 break
             except subprocess.TimeoutExpired:
                 continue
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         return None, time.monotonic() - start
+
+
+def children(pid):
+    """The processes whose parent is `pid` (Linux /proc: the 4th field of /proc/N/stat, after the name)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+def descendants(pid):
+    """Every process below `pid`: its children, theirs, and so on."""
+    found = children(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
 
 
 def record(report):

@@ -63,19 +63,6 @@ def torch_adamw_oracle(model, peak_lr, weight_decay, betas=(0.9, 0.98), eps=1e-6
                              lr=peak_lr, betas=betas, eps=eps)
 
 
-def children(pid):
-    """The processes whose parent is `pid` (Linux /proc: the 4th field of /proc/N/stat, after the name)."""
-    import contextlib
-    import os
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-    return found
-
-
 def made_up_texts(path, count, shortest, longest):
     """path: a JSONL of `count` made-up biomedical-sounding texts of shortest to longest - 1 words, the same at
     every call (texts for CKA and the needle that no model has seen)."""
@@ -87,6 +74,25 @@ def made_up_texts(path, count, shortest, longest):
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(shortest, longest)))}) + "\n"
                             for _ in range(count)))
     return path
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (gpu-report's suite), each test marked `torchrun` (a training of a minute or more) goes
+    first in a hand of its own. xdist's load scheduling first hands every test process max(2, tests // processes //
+    4) consecutive tests, which run one after another: two such trainings in one hand ran back to back while other
+    processes sat idle, past the half of --minutes the suite has. Every process collects, so the order is the same."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    long = [item for item in items if item.get_closest_marker("torchrun")]
+    if processes < 2 or not long:
+        return
+    hand = max(2, len(items) // processes // 4)
+    short = [item for item in items if not item.get_closest_marker("torchrun")]
+    ordered = []
+    for item in long:
+        ordered += [item] + short[:hand - 1]
+        short = short[hand - 1:]
+    items[:] = ordered + short
 
 
 def pytest_runtest_logreport(report):

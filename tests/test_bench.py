@@ -220,6 +220,51 @@ def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
         resolve(bench.parser().parse_args(["gpu-report", out, "--workers=2"]))
 
 
+@pytest.mark.parametrize("processes, tests, long", [(12, 116, 11), (8, 116, 11), (4, 30, 3)])
+def test_the_gpu_suite_starts_each_torchrun_test_first_in_a_process_of_its_own(processes, tests, long, monkeypatch):
+    """xdist's own load scheduling (the oracle) over the tests as conftest.py orders them under `-n processes`:
+    no first hand holds two tests marked torchrun, and each process's first test is one while they last."""
+    xdist_load = pytest.importorskip("xdist.scheduler.load")
+    import conftest
+
+    class Item:
+        def __init__(self, i):
+            self.nodeid, self.torchrun = f"t{i}", i % 7 == 3 and i < 7 * long  # spread out, as collected
+
+        def get_closest_marker(self, name):
+            return name == "torchrun" and self.torchrun or None
+
+    class Config:
+        def getoption(self, name):
+            return None  # --maxschedchunk not given
+
+        def getvalue(self, name):
+            return [f"{processes}*popen"]  # what -n gives
+
+    class Node:
+        gateway = type("Gateway", (), {"id": "gw"})  # named where collections would differ
+
+        def send_runtest_some(self, indices):
+            self.hand = indices
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(processes))
+    items = [Item(i) for i in range(tests)]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert sorted(item.nodeid for item in items) == sorted(f"t{i}" for i in range(tests))  # reordered, all kept
+    scheduler, nodes = xdist_load.LoadScheduling(Config()), [Node() for _ in range(processes)]
+    for node in nodes:
+        scheduler.add_node(node)
+    for node in nodes:
+        scheduler.add_node_collection(node, [item.nodeid for item in items])
+    scheduler.schedule()
+    hands = [[items[i] for i in node.hand] for node in nodes]
+    assert all(sum(item.torchrun for item in hand) <= 1 for hand in hands)
+    assert sum(hand[0].torchrun for hand in hands) == min(long, processes)
+
+
 def byte_tokenizer(tmp_path):
     from machinery.tokenizer import bytes_config
     (tmp_path / "bytes.json").write_text(json.dumps(bytes_config()))
@@ -327,12 +372,18 @@ def test_gpu_report_runs_what_fits_in_its_time(tmp_path):
 @pytest.mark.slow  # a pytest process stopped at its limit of 20 s
 def test_a_suite_past_its_time_is_stopped_with_what_ran(tmp_path):
     """gpu-report's suite runs in a session of its own: stopped at its limit (SIGINT, then SIGKILL), the results of
-    the tests that ended before are kept."""
+    the tests that ended before are kept, and a process the suite started in a session of its own (as torchrun
+    starts its workers) is stopped too."""
     suite = suite_folder(tmp_path)
-    (tmp_path / "test_suite.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
-                                            "def test_slow():\n    time.sleep(600)\n")
+    (tmp_path / "test_suite.py").write_text(
+        "import subprocess, time\n\ndef test_quick():\n    pass\n\n"
+        "def test_slow():\n    worker = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        f"    open({str(tmp_path / 'worker')!r}, 'w').write(str(worker.pid))\n    time.sleep(600)\n")
     code, seconds = bench.gpureport.run_suite(suite, tmp_path / "results.jsonl", 20)
     assert code is None and seconds < 80
+    worker = int((tmp_path / "worker").read_text())
+    with contextlib.suppress(FileNotFoundError):  # gone, or a zombie until its new parent reaps it
+        assert open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     assert [r[:2] for r in bench.gpureport.suite_results(tmp_path / "results.jsonl")] == [("test_suite::test_quick",
                                                                                           "passed")]
 

@@ -22,11 +22,12 @@ import torch
 import data
 from machinery import datacli
 from machinery import prepare as prepare_io
-from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, children, need, tiny_model
+from conftest import MODERNBERT_TOKENIZER, ROOT, SHARED_DATA, need, tiny_model
 from machinery import prepare as prep
 from machinery import tokenizer as tok
 from machinery import tokenfiles
 from machinery.cli import InputError, run, sha256_file
+from machinery.gpureport import children
 from machinery.rundir import hold_lock, release_lock
 
 CORPORA = [SHARED_DATA / "corpus" / f"e3c_{lang}_clinical_cases.jsonl" for lang in ("en", "fr")]

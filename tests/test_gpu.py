@@ -31,9 +31,10 @@ from safetensors.torch import load_file
 import bench
 import data
 import train
-from conftest import BYTE_IDS, ROOT, children, tiny_model, torch_adamw_oracle
+from conftest import BYTE_IDS, ROOT, tiny_model, torch_adamw_oracle
 from machinery import kernels
 from machinery.cli import autocast
+from machinery.gpureport import children
 from model import BACKENDS, IGNORE_INDEX, ModernBERT, ModernBERTConfig
 from test_backends import LAYOUTS, attend, attention_case, largest_difference
 
@@ -119,8 +120,8 @@ def assert_close_in_bf16(got, want, what, loss_rtol=LOSS_RTOL):
 
 
 # ----------------------------------------------------------------------------
-# The trainer's command line under torchrun: NCCL, bf16, compiled FlexAttention, checkpoints. First in the file:
-# the longest tests, so that a suite shared among processes starts them first.
+# The trainer's command line under torchrun: NCCL, bf16, compiled FlexAttention, checkpoints. The longest tests,
+# marked `torchrun`: a suite shared among processes starts each first in a process of its own (conftest.py).
 
 
 STEPS, STEP_TOKENS = 40, 8 * 128  # the smoke recipe: tiny model, 8 sequences of 128 tokens per step
@@ -151,6 +152,7 @@ def clm_run(demo_corpus, tmp_path_factory):
     return out, torchrun(*SMOKE, f"--data={demo_corpus}", f"--tokens={STEPS * STEP_TOKENS}", f"--out_dir={out}")
 
 
+@pytest.mark.torchrun
 def test_trainer_trains_clm_on_the_gpu_under_torchrun(clm_run):
     out, stdout = clm_run
     assert "device cuda" in stdout  # the run's header
@@ -168,6 +170,7 @@ def test_trainer_trains_clm_on_the_gpu_under_torchrun(clm_run):
         assert abs(r["mfu"] - flops * r["tokens_per_s"] / peak) <= 5e-5 + 0.01 * r["mfu"], r
 
 
+@pytest.mark.torchrun
 def test_phase_hand_off_to_decay_on_the_gpu(clm_run, tmp_path):
     clm, _ = clm_run
     decay = tmp_path / "decay"
@@ -226,6 +229,7 @@ def caches(own, folder, process):
     return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"), "TRITON_CACHE_DIR": str(where / "triton")}
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("flags, own_caches", RESUMES)
 def test_stop_kill_and_resume_equal_the_uninterrupted_run(flags, own_caches, demo_corpus, tmp_path, record_property):
     """--max_steps stops the run with a checkpoint; --resume continues it, is SIGKILLed after its next
@@ -363,6 +367,7 @@ def test_compiled_blocks_match_eager_and_never_recompile(backend):
 # DDP over compiled blocks, and repeatability
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP needs 2 GPUs (NCCL over one is no process group)")
 def test_compiled_blocks_under_ddp_match_eager_ones(demo_corpus, tmp_path):
     """torchrun on 2 GPUs (NCCL), 2 accumulation steps (gradients all-reduced on the last only), inductor-compiled

@@ -249,8 +249,11 @@ def test_a_batch_without_labels_adds_nothing_and_trains_nothing():
 # --- runs ------------------------------------------------------------------------------------------
 
 
-def test_exact_resume_is_bit_identical(corpus, tmp_path):
-    flags = ["--phase=mlm", f"--tokens={6 * STEP_TOKENS}"]
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_exact_resume_is_bit_identical(dropout, corpus, tmp_path):
+    """A run stopped at step 2 and resumed equals the run that went straight on, bit for bit; with dropout too,
+    whose random stream the resume restores where the stopped run left it (not from the seed again)."""
+    flags = ["--phase=mlm", f"--tokens={6 * STEP_TOKENS}", f"--dropout={dropout}"]
     straight, _ = run(corpus, tmp_path / "straight", *flags)
     run(corpus, tmp_path / "stopped", *flags, "--max_steps=2")
     assert latest(tmp_path / "stopped")["phase_step"] == 2
