@@ -539,6 +539,10 @@ def paired_seeds(loaded, task):
 def compare_task(loaded, reference, task, kind_of):
     runs = [r["tasks"][task] for settings in loaded.values() for files in settings.values() for _, r in files]
     first = runs[0]
+    modes = {r.get("ner_mode") or "default" for r in runs} if first["kind"] == "token" else set()
+    if len(modes) > 1:  # each arm's dev choice and test score would be read again in the first one's
+        raise InputError(f"{task}: the runs read entities with different --ner_mode ({', '.join(sorted(modes))}): "
+                         f"their entity F1s are not one measure; fine-tune every arm with the same --ner_mode")
     kind = kind_of(first)
     seeds = paired_seeds(loaded, task)
     metric = first["primary"]
@@ -607,13 +611,14 @@ def compare_task(loaded, reference, task, kind_of):
 
 def budget(results, task):
     """What a results file's fine-tuning of `task` spent, as `eval.py finetune` records it: optimizer steps of a
-    batch, the train examples they read, the tokens per example, the dev evaluations a setting was chosen among.
+    batch, the train examples they read, the tokens per example, the dev evaluations a setting was chosen among,
+    how a sequence classifier pooled the encoder's output.
     Arms (or replicates) fine-tuned on different budgets differ by more than their pretraining: a comparison of them
     says so (finetune_markdown). A file that does not record a field leaves it None."""
     t, args = results["tasks"][task], results.get("args") if isinstance(results.get("args"), dict) else {}
     examples = t.get("examples") if isinstance(t.get("examples"), dict) else {}
     return {"steps": t.get("steps"), "batch_size": args.get("batch_size"), "train_examples": examples.get("train"),
-            "max_len": args.get("max_len"), "evals": args.get("evals")}
+            "max_len": args.get("max_len"), "evals": args.get("evals"), "pooling": args.get("pooling")}
 
 
 def compared(comparison):

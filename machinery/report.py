@@ -214,7 +214,8 @@ def budgets_text(mixed, name):
         return (f"{b['steps'] if b['steps'] is not None else '?'} steps of {b['batch_size'] or '?'}, "
                 f"{b['train_examples'] if b['train_examples'] is not None else '?'} train examples, max_len "
                 f"{b['max_len'] or '?'}, " + (f"dev scored {b['evals']} times" if b["evals"] else
-                                              "dev scored at finetune's default points"))
+                                              "dev scored at finetune's default points")
+                + (f", {b['pooling']} pooling" if b.get("pooling") not in (None, "cls") else ""))
     return "; ".join(f"{name(arm)}: {' | '.join(dict.fromkeys(map(words, runs)))}" for arm, runs in mixed.items())
 
 

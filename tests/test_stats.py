@@ -513,10 +513,10 @@ def test_a_table_of_arms_fine_tuned_on_different_budgets_says_so(tmp_path):
     """Results files record what their fine-tuning spent (steps, batch, train examples, max_len, dev evaluations):
     arms, or an arm's replicates, that differ in it are labelled, above the table and in every verdict, since
     their difference is not their pretraining's alone. The same budgets, or files that record none, are not."""
-    def spent(files, steps, train=500):
+    def spent(files, steps, train=500, **pooling):
         for f in files:
             r = json.loads(f.read_text())
-            r["args"] = dict(steps=steps, epochs=None, evals=2, batch_size=16, max_len=128, lr=5e-5)
+            r["args"] = dict(steps=steps, epochs=None, evals=2, batch_size=16, max_len=128, lr=5e-5, **pooling)
             r["tasks"]["t"].update(steps=steps, examples=dict(train=train, dev=80, test=60))
             f.write_text(json.dumps(r))
         return ",".join(map(str, files))
@@ -536,6 +536,22 @@ def test_a_table_of_arms_fine_tuned_on_different_budgets_says_so(tmp_path):
         assert row.endswith("| better (budgets differ) |"), row
     assert f"{x[0].stem}: 300 steps of 16, 500 train examples, max_len 128, dev scored 2 times | 300 steps of 16, " \
            f"400 train" in text
+    text = cmp.table([spent(ref, 300, pooling="cls"), spent(x, 300, pooling="mean")], ev.kind_of)  # how they pooled
+    assert f"{ref[0].stem}: 300 steps of 16, 500 train examples, max_len 128, dev scored 2 times; {x[0].stem}: 300 " \
+           f"steps of 16, 500 train examples, max_len 128, dev scored 2 times, mean pooling" in text, text
+
+
+def test_arms_whose_entities_were_read_in_different_ner_modes_are_refused(tmp_path):
+    """seqeval's strict and default modes read other entities from the same tags: an arm scored (and its dev point
+    chosen) in one mode is not compared with one in the other, where each would be read again in the first's."""
+    files = {name: arm(tmp_path, name, {"-": (0.5, 0.5)})["-"] for name in ("ref", "x")}
+    for name, mode in (("ref", None), ("x", "strict")):
+        for f in files[name]:
+            r = json.loads(f.read_text())
+            r["tasks"]["t"].update(kind="token", ner_mode=mode)
+            f.write_text(json.dumps(r))
+    with pytest.raises(InputError, match=r"^t: the runs read entities with different --ner_mode \(default, strict\)"):
+        cmp.compare({name: {"-": f} for name, f in files.items()}, ev.kind_of)
 
 
 # ----------------------------------------------------------------------------
