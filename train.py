@@ -368,17 +368,16 @@ def build_model(cfg, how, state, meta, device):
     return model.to(device), source
 
 
-def restore(how, state, optimizer, loader, device, rank, world):
-    """What STARTS[how] carries over besides the weights: Adam's moments and t, the data position, the RNG
-    streams. Returns (phase step, phase tokens, the runs before this)."""
-    carries = STARTS[how]
+def restore(carries, state, optimizer, loader, device, rank):
+    """What `carries` (a row of STARTS) carries over besides the weights: Adam's moments and t, the data position,
+    the RNG streams. Returns (phase step, phase tokens, the runs before this)."""
     if carries.moments:
         rundir.load_moments(optimizer.moments, state["dir"], device)
     if carries.adam_t:
         optimizer.t = state["adam_t"]
     if carries.data_position:
         loader.load_state_dict(state["loader"], f"{state['dir']}/state.json: loader")
-    if carries.rng and len(state["rng"]) == world:  # dropout streams; another world size restarts them
+    if carries.rng:  # the dropout streams
         set_rng_state(state["rng"][rank], device)
     history = state["history"] if carries.history else []
     if carries.phase:
@@ -426,11 +425,14 @@ def setup(given):
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     frozen = freeze.frozen_names(model, freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers))
     optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
+    carries = STARTS[how]
+    if carries.rng and len(state["rng"]) != world:  # each process's streams were saved: another number restarts them
+        carries = dataclasses.replace(carries, rng=False)
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks; a resume restores its own next
-    phase_step, phase_tokens, history = restore(how, state, optimizer, loader, device, rank, world)
+    phase_step, phase_tokens, history = restore(carries, state, optimizer, loader, device, rank)
     start = schedule_start(cfg, how, state)
     if rank == 0:
-        progress.start(how, STARTS[how], cfg, phase_step, source, state, start, learning_rate)
+        progress.start(how, carries, cfg, phase_step, source, state, start, learning_rate)
         progress.architecture(model.config, source, source and flags.unlike_fresh(
             model.config, lambda preset: fresh_config(dataclasses.replace(cfg, preset=preset), meta), PRESETS))
     kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises

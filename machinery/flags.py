@@ -265,6 +265,9 @@ def check_new_budget(old, new, state, learning_rate):
     from the start, so the steps it ran must keep their learning rates."""
     if all(getattr(new, k) == getattr(old, k) for k in BUDGET):
         return
+    start = state["schedule_tokens_done"] - state["phase_tokens"]  # a hand-off's parent's tokens of the schedule
+    if start:  # it continues its parent's schedule, and must still end within it (as at the hand-off)
+        check_schedule_fits(new, start)
     per_step = new.batch_size * new.seq_len
     if new.tokens // per_step < state["phase_step"]:
         raise InputError(f"--tokens={new.tokens:,}: the run has trained {state['phase_tokens']:,} tokens "

@@ -249,6 +249,21 @@ def test_a_batch_without_labels_adds_nothing_and_trains_nothing():
 # --- runs ------------------------------------------------------------------------------------------
 
 
+def test_a_resume_keeps_a_schedule_shared_with_its_parent_within_its_budget(corpus, tmp_path):
+    """A hand-off that continues its parent's schedule must end within it, at the hand-off and when a --resume
+    gives it a longer budget: steps past the schedule's end would run at its floor, counted past its budget."""
+    B = 8 * STEP_TOKENS
+    run(corpus, tmp_path / "clm", "--phase=clm", "--schedule=wsd", f"--schedule_tokens={B}",
+        f"--tokens={2 * STEP_TOKENS}", "--decay_frac=0.25")
+    mlm = [f"--init_from={tmp_path / 'clm'}", "--phase=mlm", "--schedule=wsd", f"--schedule_tokens={B}"]
+    with pytest.raises(InputError, match="after the 1,024 its parent ran exceeds --schedule_tokens=4,096"):
+        run(corpus, tmp_path / "x", *mlm, f"--tokens={B}")
+    run(corpus, tmp_path / "mlm", *mlm, f"--tokens={6 * STEP_TOKENS}", "--max_steps=2")
+    with pytest.raises(InputError, match="after the 1,024 its parent ran exceeds --schedule_tokens=4,096"):
+        train.main([f"--out_dir={tmp_path / 'mlm'}", "--resume", f"--tokens={B}"])
+    assert latest(tmp_path / "mlm")["phase_step"] == 2  # nothing trained, nothing written
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_exact_resume_is_bit_identical(dropout, corpus, tmp_path):
     """A run stopped at step 2 and resumed equals the run that went straight on, bit for bit; with dropout too,
@@ -264,6 +279,23 @@ def test_exact_resume_is_bit_identical(dropout, corpus, tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     log = [json.loads(line) for line in open(tmp_path / "stopped" / "log.jsonl")]
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]  # training records; validation has its own
+
+
+def test_a_resume_on_another_number_of_processes_says_its_dropout_streams_start_again(corpus, tmp_path, capsys):
+    """Each process's RNG streams are saved: a resume on another number of processes starts them again from the
+    seed, and its start line lists them as fresh, not as carried over (a checkpoint of two processes stood in for
+    by a copy of one process's streams)."""
+    flags = ["--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--dropout=0.1"]
+    run(corpus, tmp_path / "run", *flags, "--max_steps=2")
+    state_file = latest(tmp_path / "run")["dir"] + "/state.json"
+    state = json.loads(open(state_file).read())
+    state["rng"] = state["rng"] * 2
+    open(state_file, "w").write(json.dumps(state))
+    capsys.readouterr()
+    train.main([f"--out_dir={tmp_path / 'run'}", "--resume"])
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resume "))
+    carried, fresh = start.split("; fresh: ")
+    assert "RNG streams" in fresh and "RNG streams" not in carried and "data position" in carried, start
 
 
 def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path, monkeypatch, capsys):
