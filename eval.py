@@ -447,7 +447,7 @@ def kind_of(task, ner_mode=None):
     return NER_MODES[ner_mode] if task["kind"] == "token" else KINDS[task["kind"]]
 
 # ----------------------------------------------------------------------------
-# Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16; 10
+# Fine-tuning: AdamW (weight decay 0.01, none on biases and norms), linear decay, batch 16, no dropout; 10
 # epochs (20 for token classification) or a budget in optimizer steps (--steps), so that no task
 # is starved; dev is scored at evenly spaced points, the best point's weights once on test.
 
@@ -600,7 +600,8 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds"),
                                    *model_files([info], [tok])])
     device = pick_device(device)
-    base = load_weights(info, device)
+    info["config"] = info["config"].replace(attention_dropout=0.0)  # no dropout whatever the pretraining used:
+    base = load_weights(info, device)  # arms pretrained with and without it are fine-tuned alike
     seed_dir = seed_folder(out)  # one that cannot be written ends here, before training; made once the weights load
     s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, steps=steps, evals=evals, lr=lr,

@@ -462,6 +462,24 @@ def test_finetune_multilabel(byte_models, tmp_path):
     assert r["mean"]["micro_f1"] > 0.6
 
 
+def test_finetune_runs_without_dropout_whatever_the_pretraining_used(byte_models, tmp_path, capsys):
+    """A checkpoint pretrained with --dropout=0.1 (its config says so) is fine-tuned as the same weights without it:
+    the same train losses and predictions, seed for seed, so that arms differ by their pretraining alone."""
+    import shutil
+    task = multilabel_task(tmp_path / "animals")
+    dropped = shutil.copytree(byte_models[0], tmp_path / "dropped")
+    config = json.loads((dropped / "config.json").read_text())
+    (dropped / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    kw = dict(seeds=(1,), epochs=2, lr=2e-3, max_len=48, pooling="mean", device="cpu")
+    runs = []
+    for model, out in ((byte_models[0], "plain.json"), (dropped, "dropped.json")):
+        capsys.readouterr()
+        result = ev.finetune(model, [task], out=tmp_path / out, **kw)["tasks"]["animals"]["seeds"]["1"]
+        losses = re.findall(r"train loss (\S+),", capsys.readouterr().out)
+        runs.append((losses, json.loads((tmp_path / result["predictions"]).read_text())["predictions"]))
+    assert runs[0] == runs[1] and len(runs[0][0]) == 2
+
+
 def test_finetune_writes_each_seed_and_skips_it_on_a_second_call(byte_models, tmp_path, capsys):
     task = multilabel_task(tmp_path / "animals")
     kw = dict(epochs=1, lr=2e-3, max_len=48, pooling="mean", device="cpu")
