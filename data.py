@@ -286,6 +286,8 @@ class Vocab:
         # as Hugging Face's DataCollatorForLanguageModeling: a special token is never masked
         self.special = np.zeros(meta["vocab_size"], bool)  # (vocab_size,)
         self.special[meta["special_ids"]] = True
+        # the ids this code frames, pads and masks with, even where a tokenizer.json does not flag them special
+        self.special[[meta["cls_id"], meta["sep_id"], meta["pad_id"], meta["mask_id"]]] = True
         self.replacements = np.flatnonzero(~self.special)  # the ids a random replacement may take
 
 

@@ -17,7 +17,7 @@ MAX_PARAMS = 20e9  # 80 GB of fp32 weights
 # What model.py implements and its config has no field for: a config.json that says otherwise describes another
 # model. A field of the config class is never fixed here: it is written and read as the model runs it.
 FIXED = dict(classifier_activation="gelu", norm_bias=False, attention_bias=False, mlp_bias=False, decoder_bias=True,
-             tie_word_embeddings=True)
+             tie_word_embeddings=True, classifier_bias=False, embedding_dropout=0.0, mlp_dropout=0.0)
 # The config.json keys transformers' ModernBertConfig reads (besides FIXED's and those config_to_hf adds): a field
 # of ours outside it is written faithfully, but transformers would load the model without it, not as trained.
 HF_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "hidden_activation", "num_hidden_layers",
@@ -101,13 +101,21 @@ def config_fields(d, source, names):
     for key, want in FIXED.items():
         if key in d and d[key] != want and key not in names:
             raise InputError(f"{source}: {key}={d[key]!r} is not supported (ModernBERT uses {want!r})")
+    for name in ("pad_token_id", "cls_token_id", "sep_token_id"):  # transformers allows null; the model needs them
+        if name in d and d[name] is None:
+            raise InputError(f"{source}: {name} is null: expected the id (this model frames and pads with it)")
     fields = {name: d[name] for name in names if d.get(name) is not None}
+    scaling = d.get("rope_scaling")  # transformers 4.x's spelling of a scaled RoPE, applied to every layer
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise InputError(f"{source}: rope_scaling {scaling!r} is not supported (unscaled rotary embeddings only)")
     rope = d.get("rope_parameters") or {}
     for kind, name in ROPE_FIELDS.items():
         if isinstance(rope, dict) and isinstance(rope.get(kind), dict):
-            if rope[kind].get("rope_type", "default") != "default":
-                raise InputError(f"{source}: rope_type {rope[kind]['rope_type']!r} is not supported")
-            fields[name] = rope[kind].get("rope_theta")
+            how = rope[kind].get("rope_type", rope[kind].get("type", "default"))  # "type": the older key
+            if how != "default":
+                raise InputError(f"{source}: rope_parameters' {kind} rope_type {how!r} is not supported")
+            if rope[kind].get("rope_theta") is not None:  # else the top-level theta, as transformers reads it
+                fields[name] = rope[kind]["rope_theta"]
     return fields
 
 

@@ -844,6 +844,18 @@ def test_mlm_mask_statistics(byte_data):
     assert (x[changed] < 256).all()  # random replacements are never special tokens
 
 
+def test_the_ids_this_code_frames_with_are_never_masked_even_unflagged():
+    """A tokenizer.json whose [CLS], [SEP], [PAD] or [MASK] is not flagged special (a plain vocabulary entry): MLM
+    still never chooses them, nor draws them as a random replacement."""
+    meta = dict(vocab_size=16, cls_id=12, sep_id=13, pad_id=14, mask_id=15, special_ids=[])
+    vocab = data.Vocab(meta)
+    x = np.tile(np.arange(16), (64, 4))  # (64, 64): every id, many times
+    masked, labels = data.mlm_labels(x, np.arange(64), vocab, 0.9, seed=0)
+    framing = np.isin(x, [12, 13, 14, 15])
+    assert (labels[framing] == -100).all() and (masked[framing] == x[framing]).all()
+    assert set(vocab.replacements) == set(range(12)) and (labels[~framing] != -100).mean() > 0.8
+
+
 def test_clm_labels(byte_data):
     x, y = loader(byte_data, objective="clm").next()
     assert (y[:, -1] == -100).all() and (x == 257).any()

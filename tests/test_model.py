@@ -175,6 +175,41 @@ def test_loads_old_config_spelling_and_file_with_decoder_weight(tmp_path):
         assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
 
 
+def edited_config(tmp_path, **changes):
+    """A transformers checkpoint of SHAPES[0] in tmp_path with config.json's keys changed (None: a null)."""
+    hf = hf_checkpoint(tmp_path, SHAPES[0])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    return hf
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 8.0}), "rope_scaling"),  # transformers 4.x's spelling
+    (dict(rope_parameters={"full_attention": {"type": "linear", "factor": 8.0, "rope_theta": 160000.0}}), "linear"),
+    (dict(pad_token_id=None), "pad_token_id is null"),
+    (dict(sep_token_id=None), "sep_token_id is null"),
+    (dict(mlp_dropout=0.1), "mlp_dropout=0.1"),
+    (dict(embedding_dropout=0.1), "embedding_dropout=0.1"),
+    (dict(classifier_bias=True), "classifier_bias=True")])
+def test_a_config_this_model_does_not_run_is_refused_by_name(tmp_path, changes, named):
+    """What transformers reads and model.py would run otherwise (a scaled RoPE, a null id it would fill with a
+    default, dropouts it has no place for) is refused, naming the key, never loaded as another model."""
+    edited_config(tmp_path, **changes)
+    with pytest.raises(InputError, match=named):
+        ModernBERT.from_pretrained(str(tmp_path))
+
+
+def test_rope_parameters_without_a_theta_take_the_top_level_one_as_transformers_does(tmp_path):
+    hf = edited_config(tmp_path, global_rope_theta=1000.0, local_rope_theta=100.0,
+                       rope_parameters={k: {"rope_type": "default"} for k in ("full_attention", "sliding_attention")})
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    assert (ours.config.global_rope_theta, ours.config.local_rope_theta) == (1000.0, 100.0)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path), attn_implementation="sdpa").eval()
+    ids, mask = padded_batch(300)
+    with torch.no_grad():
+        assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
+
+
 def test_mismatched_checkpoint_names_the_keys(tmp_path):
     hf_checkpoint(tmp_path, SHAPES[0])
     from safetensors.torch import load_file, save_file
