@@ -315,9 +315,9 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
     with workspace(out) as (tmp, lock), Workers(workers, tokenizer, lock) as pool:
         # every document as [CLS] ids [SEP], source after source, in input order
         tokens = tmp / "all.tokens"
-        lengths, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,
-                                                f"tokenizing into {out}")
-        train, val = choose_documents(lengths, names, mix, val_fraction, seed)
+        lengths, keys, text_bytes, digests = tokenize(sources, field, dtype, tokens, pool,
+                                                      f"tokenizing into {out}")
+        train, val, copies = choose_documents(lengths, names, mix, val_fraction, seed, keys)
         if not sum(map(len, val)):
             counts = ", ".join(f"{s.path} has {len(lens)}" for s, lens in zip(sources, lengths))
             raise InputError(f"--input: the validation split is empty ({counts} document(s)); "
@@ -329,6 +329,9 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
                   for split, chosen in (("train", train), ("val", val))}
         for split, counts in splits.items():  # the tokens' fingerprint, checked whenever they are read
             counts["sample_sha256"] = file_digest(tmp / f"{split}.bin", dtype, counts["tokens"])
+        splits["train"]["copies_of_val_left_out"] = copies
+        every = np.concatenate(keys)
+        repeats = len(every) - len(np.unique(every))  # said: a corpus may hold a case twice
         # a tokenizer file is recorded by absolute path: a run started elsewhere still finds it
         spec = Path(tokenizer.spec)
         meta = dict(format=1, dtype=dtype.name, vocab_size=tokenizer.vocab_size,
@@ -344,13 +347,17 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
     mb, seconds = text_bytes / 1e6, time.time() - t0
     print(f"{out}: {mb:.1f} MB of text in {seconds:.1f} s ({mb / seconds:.2f} MB/s, {workers} "
           f"worker{'s' * (workers > 1)}); " + ", ".join(
-              f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents" for k, v in splits.items()))
+              f"{k} {v['tokens']:,} tokens in {v['documents']:,} documents" for k, v in splits.items())
+          + (f"; {copies:,} left out of train as copies of validation documents" if copies else "")
+          + (f"; {repeats:,} document(s) repeat another's text (kept)" if repeats else ""))
     return meta
 
 
-def choose_documents(lengths, names, mix, val_fraction, seed):
-    """(train, val): document indices per source. Validation is drawn first, so that mixing never
-    repeats a validation document in train."""
+def choose_documents(lengths, names, mix, val_fraction, seed, keys):
+    """(train, val, copies): document indices per source, and how many train left out. Validation is
+    drawn first, so that mixing never repeats a validation document in train; a document whose text
+    is a validation document's (`keys`: a digest of each text) is left out of train, or validation
+    would score text the model trained on (a corpus may hold a case twice)."""
     rngs = [np.random.default_rng([seed, i]) for i in range(len(lengths))]
     train, val = [], []
     for lens, rng in zip(lengths, rngs):
@@ -360,6 +367,12 @@ def choose_documents(lengths, names, mix, val_fraction, seed):
         is_val[rng.choice(n, n_val, replace=False)] = True
         train.append(np.flatnonzero(~is_val))
         val.append(np.flatnonzero(is_val))
+    held = np.concatenate([k[docs] for k, docs in zip(keys, val)])
+    kept = [docs[~np.isin(k[docs], held)] for k, docs in zip(keys, train)]
+    for name, a, b in zip(names, train, kept):
+        if len(a) and not len(b):
+            raise InputError(f"--input {name}: every train document of it is a copy of a validation one")
+    copies, train = sum(len(a) - len(b) for a, b in zip(train, kept)), kept
     if mix is not None:  # target shares of the natural train total, reached with whole documents
         natural = sum(lens[docs].sum() for lens, docs in zip(lengths, train))
         top = max(mix.values())  # weights over the largest first: 1e308 + 1e308 is no number
@@ -371,7 +384,7 @@ def choose_documents(lengths, names, mix, val_fraction, seed):
                 raise InputError(f"--mix {n}={mix[n]:g}: a share of {share[n]:.3g} of the "
                                  f"{natural:,} train tokens is less than one document of {n}, so "
                                  f"train would hold none of it; raise its weight, or give it 0")
-    return train, val
+    return train, val, copies
 
 
 def resample(docs, lengths, target, rng):

@@ -553,52 +553,57 @@ def worker_count(requested, sources, field):
 
 def tokenize(sources, field, dtype, dst, workers, desc):
     """Every document of every source as [CLS] ids [SEP] in dst, in input order: pieces tokenized by the workers,
-    joined here in order as they finish. Returns (document lengths per source, bytes of text, sha256 of each
-    source's files); a source without a document is an InputError."""
+    joined here in order as they finish. Returns (document lengths per source, a digest of each document's text per
+    source (uint64), bytes of text, sha256 of each source's files); a source without a document is an InputError."""
     total = sum(os.path.getsize(f) for s in sources for f in s.files)
     pieces = pieces_of(sources, field, workers.n)
     digests = [[workers.submit(sha256_file, f) for f in s.files] for s in sources]  # first: a whole file each
     tasks = [[[workers.submit(tokenize_piece, p, field, dtype.name, dst.with_name(f"piece-{i}-{j}-{k}.tokens"))
                for k, p in enumerate(file)] for j, file in enumerate(source)] for i, source in enumerate(pieces)]
-    bar, lengths, text_bytes = progress(total, desc), [], 0
+    bar, lengths, keys, text_bytes = progress(total, desc), [], [], 0
     try:
         with open(dst, "wb") as out:
             for source, files in zip(sources, tasks):
-                found = []
+                found, found_keys = [], []
                 for task in itertools.chain.from_iterable(files):
-                    piece_lengths, piece_text, piece, chunk = task.result()
+                    piece_lengths, piece_keys, piece_text, piece, chunk = task.result()
                     found.append(piece_lengths)
+                    found_keys.append(piece_keys)
                     text_bytes += piece_text
                     with open(chunk, "rb") as f:
                         shutil.copyfileobj(f, out, 1 << 24)  # a full disk: OSError(ENOSPC), named
                     os.unlink(chunk)
                     bar.update(piece.size)
                 lengths.append(np.concatenate(found))
+                keys.append(np.concatenate(found_keys))
                 if not len(lengths[-1]):
                     what = "the file is empty" if source.files == [source.path] else "its files are empty"
                     raise InputError(f"{source.path}: no documents ({what} or every {field!r} is empty)")
     finally:
         bar.close()
-    return lengths, text_bytes, [[d.result() for d in source] for source in digests]
+    return lengths, keys, text_bytes, [[d.result() for d in source] for source in digests]
 
 
 def tokenize_piece(piece, field, dtype, dst):
-    """Tokenize a piece into the file dst, a batch at a time; returns (document lengths, bytes of text, the piece,
-    dst). Blank documents are skipped: they would only add [CLS][SEP]."""
+    """Tokenize a piece into the file dst, a batch at a time; returns (document lengths, a digest of each document's
+    text, bytes of text, the piece, dst). Blank documents are skipped: they would only add [CLS][SEP]."""
     parquet = file_kind(piece.path)[1] == ".parquet"
     texts = (parquet_documents if parquet else piece_documents)(piece, field)
-    lengths, text_bytes, batch, size = [], 0, [], 0
+    lengths, keys, text_bytes, batch, size = [], [], 0, [], 0
     with open(dst, "wb") as f:
         for text in itertools.chain(texts, [None]):
             if text is not None and text.strip():
                 batch.append(text)
-                size += len(text.encode())
+                encoded = text.encode()
+                size += len(encoded)
+                keys.append(hashlib.blake2b(encoded, digest_size=8).digest())  # copies of one text: one key
             if batch and (size >= BATCH_BYTES or text is None):
                 ids, batch_lengths = frame(_tokenizer, batch, np.dtype(dtype))
                 f.write(ids.data)  # a full disk: OSError(ENOSPC), named
                 lengths.append(batch_lengths)
                 text_bytes, batch, size = text_bytes + size, [], 0
-    return np.concatenate(lengths or [np.zeros(0, np.int64)]), text_bytes, piece, dst
+    return (np.concatenate(lengths or [np.zeros(0, np.int64)]), np.frombuffer(b"".join(keys), np.uint64), text_bytes,
+            piece, dst)
 
 
 def frame(tokenizer, texts, dtype):

@@ -300,6 +300,37 @@ def byte_data(tmp_path_factory):
     return tmp / "d"
 
 
+def split_documents(folder, meta, split):
+    """The documents of folder/{split}.bin, each as its ids' bytes ([CLS] ... [SEP])."""
+    ids = np.fromfile(folder / f"{split}.bin", meta["dtype"])
+    ends = np.flatnonzero(ids == meta["sep_id"]) + 1
+    return [ids[a:b].tobytes() for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def test_a_copy_of_a_validation_document_is_left_out_of_train(tmp_path, capsys):
+    """A corpus that holds each case twice (two sources, or one file): validation never scores a text that train
+    holds; the copies left out, and the texts repeated, are counted and said."""
+    rng = random.Random(5)
+    texts = [words(rng, 30) for _ in range(20)]
+    a = write_jsonl(tmp_path / "a.jsonl", texts + texts[:10])  # 10 repeated within a source
+    b = write_jsonl(tmp_path / "b.jsonl", texts[10:])  # and 10 across sources
+    meta = data.prepare([a, b], "bytes", tmp_path / "d", val_fraction=0.25, seed=3, workers=1)
+    val, train = (split_documents(tmp_path / "d", meta, split) for split in ("val", "train"))
+    copies = meta["splits"]["train"]["copies_of_val_left_out"]
+    assert not set(val) & set(train) and copies > 0 and len(val) + len(train) + copies == 40
+    said = capsys.readouterr().out
+    assert f"; {copies} left out of train as copies of validation documents; 20 document(s) repeat another's text" \
+           in said, said
+
+
+def test_the_french_corpus_validates_on_no_text_it_trains_on(tmp_path):
+    """The shared French clinical cases hold most cases twice (the same text under two ids)."""
+    path = need(SHARED_DATA / "corpus" / "e3c_fr_clinical_cases.jsonl")
+    meta = data.prepare([path], need(MODERNBERT_TOKENIZER), tmp_path / "fr", val_fraction=0.02, workers=1)
+    val, train = (split_documents(tmp_path / "fr", meta, split) for split in ("val", "train"))
+    assert len(val) == 30 and not set(val) & set(train) and meta["splits"]["train"]["copies_of_val_left_out"] > 0
+
+
 def test_prepare_is_deterministic_and_counts(tmp_path):
     rng = random.Random(4)
     a = write_jsonl(tmp_path / "a.jsonl", [words(rng, 30) for _ in range(50)])
@@ -393,6 +424,7 @@ def digests(out):
         n, dtype = counts["tokens"], np.dtype(meta["dtype"])
         ids = np.fromfile(out / f"{split}.bin", dtype)[tokenfiles.sample_positions(n)] if n else np.zeros(0, dtype)
         assert counts.pop("sample_sha256") == hashlib.sha256(ids.tobytes()).hexdigest()
+    assert meta["splits"]["train"].pop("copies_of_val_left_out") == 0  # counted since; the corpus repeats no text
     texts = [(out / "train.bin").read_bytes(), (out / "val.bin").read_bytes(), (json.dumps(meta, indent=2) + "\n").encode()]
     return tuple(hashlib.sha256(t).hexdigest()[:16] for t in texts)
 
