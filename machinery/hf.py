@@ -147,7 +147,12 @@ def read_weights(weights_file, expected):
     the tied decoder weight, which is the embedding."""
     from safetensors.torch import load_file
     if not os.path.exists(weights_file):
-        raise InputError(f"{weights_file}: no such file (a checkpoint needs model.safetensors)")
+        folder = os.path.dirname(weights_file)
+        other = [f for f in ("model.safetensors.index.json", "pytorch_model.bin")
+                 if os.path.exists(os.path.join(folder, f))]
+        raise InputError(f"{weights_file}: no such file (a checkpoint needs model.safetensors" + (
+            f"; {other[0]} is not read: save the model again as one model.safetensors, e.g. transformers' "
+            f"save_pretrained(..., max_shard_size='100GB')" if other else "") + ")")
     try:
         state = load_file(weights_file)
     except Exception as e:  # safetensors raises its own error type on truncated or garbage files

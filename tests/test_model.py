@@ -199,6 +199,15 @@ def test_a_config_this_model_does_not_run_is_refused_by_name(tmp_path, changes, 
         ModernBERT.from_pretrained(str(tmp_path))
 
 
+@pytest.mark.parametrize("kept", ["model.safetensors.index.json", "pytorch_model.bin"])
+def test_a_checkpoint_in_another_weights_layout_is_named(tmp_path, kept):
+    """A sharded checkpoint, or an older one in pickle format, is refused with the file it holds and what to do."""
+    hf_checkpoint(tmp_path, SHAPES[0])
+    (tmp_path / "model.safetensors").rename(tmp_path / kept)
+    with pytest.raises(InputError, match=f"no such file .*; {kept} is not read: save the model again as one"):
+        ModernBERT.from_pretrained(str(tmp_path))
+
+
 def test_rope_parameters_without_a_theta_take_the_top_level_one_as_transformers_does(tmp_path):
     hf = edited_config(tmp_path, global_rope_theta=1000.0, local_rope_theta=100.0,
                        rope_parameters={k: {"rope_type": "default"} for k in ("full_attention", "sliding_attention")})
