@@ -709,7 +709,9 @@ def fine_tuning_budget(ft):
     dev = f"{ft['dev_subset']} dev examples" if "dev_subset" in ft else "all dev examples"
     carve = f" (a dev set under {ft['dev_min']} takes examples from train)" if ft.get("dev_min") else ""
     test = f"{ft['test_subset']} test examples" if "test_subset" in ft else "every test example"
-    return f"{steps}, {train}; chosen on {dev}{carve}, dev scored {ft.get('evals', 4)} times; {test}"
+    scored = f"dev scored {ft['evals']} times" if "evals" in ft else (
+        "dev scored 4 times" if "steps" in ft else "dev scored after every epoch")  # eval.py's defaults
+    return f"{steps}, {train}; chosen on {dev}{carve}, {scored}; {test}"
 
 
 def budgets(rep, study, s):

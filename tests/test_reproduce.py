@@ -842,3 +842,19 @@ def test_docs_state_the_sums_the_dry_run_prints(capsys):
         if "--scale=paper" in args:  # the detour's total, as the section before states it
             assert "the trainings: ~200 H100 GPU-hours" in out
             assert "about 200 GPU-hours (its seed controls included)" in text
+
+
+def test_the_report_says_when_fine_tuning_scored_dev():
+    """What the report says of fine-tuning is what eval.py finetune did with those settings: dev scored --evals
+    times where given, 4 times in a step budget, after every epoch in an epoch budget (the paper scale's)."""
+    import eval as ev
+    import reproduce
+    from machinery.cli import pick_device
+    for ft in (dict(steps=300, epochs=3, evals=2), dict(steps=300), dict(seeds="42", max_len=512, dev_min=200)):
+        said = reproduce.fine_tuning_budget(ft)
+        s = ev.Settings(ft.get("epochs"), ft.get("steps"), ft.get("evals"), 5e-5, 512, 16, "cls", 0,
+                        pick_device("cpu"), "default")
+        kind = ev.KINDS["single"]
+        total, points = ev.budget(kind, 1600, s)
+        want = "after every epoch" if len(points) == total // 100 and "steps" not in ft else f"{len(points)} times"
+        assert f"dev scored {want}" in said, (ft, said, points)
