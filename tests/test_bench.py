@@ -273,8 +273,9 @@ def byte_tokenizer(tmp_path):
 
 DOCUMENT = "A clinical case: the patient was admitted with fever, and treated. " * 3
 BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error line; None: it runs)
-    (".txt, blank-line separated", "c.txt", (DOCUMENT + "\n\n") * 150, None),
-    pytest.param(".jsonl with blank lines", "c.jsonl", (json.dumps({"text": DOCUMENT}) + "\n\n") * 150, None,
+    (".txt, blank-line separated", "c.txt", "".join(f"{DOCUMENT}Case {i}.\n\n" for i in range(150)), None),
+    pytest.param(".jsonl with blank lines", "c.jsonl",
+                 "".join(json.dumps({"text": f"{DOCUMENT}Case {i}."}) + "\n\n" for i in range(150)), None,
                  marks=pytest.mark.slow),
     (".jsonl with a broken line", "c.jsonl", '{"text": "a"}\n{"text": \n', ["c.jsonl:2", "JSON object"]),
     (".jsonl without the text field", "c.jsonl", '{"body": "a"}\n', ["c.jsonl:1", "'text'"]),
@@ -282,7 +283,9 @@ BENCH_CORPORA = [  # (case, file name, its bytes, the words of the one error lin
     (".csv", "c.csv", "text\na\n", ["c.csv", ".jsonl, .txt or .parquet"]),
     ("blank lines only", "c.txt", "\n\n\n", ["--corpus=", "c.txt: no documents"]),
     ("one document", "c.txt", DOCUMENT, ["--corpus=", "validation split is empty"]),
-    ("fewer tokens than a loader sequence", "c.txt", (DOCUMENT + "\n\n") * 20, ["--corpus=", "fewer than one 8,192"]),
+    ("fewer tokens than a loader sequence", "c.txt", "".join(f"{DOCUMENT}Case {i}.\n\n" for i in range(20)),
+     ["--corpus=", "fewer than one 8,192"]),
+    ("every document the same text", "c.txt", (DOCUMENT + "\n\n") * 20, ["--corpus=", "copy of a validation one"]),
 ]
 
 
@@ -298,7 +301,8 @@ def test_bench_data_reads_a_corpus_as_prepare_does(tmp_path, capsys, case, name,
         result = subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True)
         assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
         out = result.stdout
-        assert "identical ids 150/150" in out and "30,450 tokens" in out, out
+        tokens = sum(len(f"{DOCUMENT}Case {i}.") + 2 for i in range(150))  # a byte a token, [CLS] and [SEP]
+        assert "identical ids 150/150" in out and f"{tokens:,} tokens" in out, out
         rows = {line.split("|")[0].strip(): line for line in out.splitlines() if line.count("|") >= 3}
         assert {"1", "2", "mlm 30%", "clm"} <= rows.keys() and rows["1"].split("|")[2].strip() == "1.00x", out
         assert re.search(r"Amdahl fit T\(n\) = -?[\d.]+ s \+ -?[\d.]+ s / n: serial share", out), out

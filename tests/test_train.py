@@ -345,7 +345,7 @@ def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypa
     assert lrs(tmp_path / "smoothed") == lrs(tmp_path / "plain")
     losses = [[r["loss"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "loss" in r]
               for name in ("plain", "smoothed")]
-    assert all(a < b for a, b in zip(*losses)), losses  # smoothing adds to the loss of every step
+    assert all(a != b for a, b in zip(*losses)), losses  # smoothing moves the loss of every step (up or down)
     assert not torch.equal(plain["model.layers.0.attn.Wqkv.weight"], smoothed["model.layers.0.attn.Wqkv.weight"])
     with pytest.raises(InputError, match="loss=fused computes model.py's cross_entropy as first written"):
         run(corpus, tmp_path / "refused", *flags, "--loss=fused")
