@@ -105,6 +105,11 @@ def config_fields(d, source, names):
         if name in d and d[name] is None:
             raise InputError(f"{source}: {name} is null: expected the id (this model frames and pads with it)")
     fields = {name: d[name] for name in names if d.get(name) is not None}
+    types = d.get("layer_types")
+    if "global_attn_every_n_layers" not in d and isinstance(types, list) and types:  # transformers 5.x may list the
+        fields["global_attn_every_n_layers"] = next(  # layers alone: written back, their period is what 4.x reads
+            (n for n in range(1, len(types) + 1) if all((t == "full_attention") == (i % n == 0)
+                                                        for i, t in enumerate(types))), 3)
     scaling = d.get("rope_scaling")  # transformers 4.x's spelling of a scaled RoPE, applied to every layer
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         raise InputError(f"{source}: rope_scaling {scaling!r} is not supported (unscaled rotary embeddings only)")

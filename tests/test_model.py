@@ -208,6 +208,19 @@ def test_a_checkpoint_in_another_weights_layout_is_named(tmp_path, kept):
         ModernBERT.from_pretrained(str(tmp_path))
 
 
+def test_layer_types_without_their_period_are_saved_with_it(tmp_path):
+    """A config.json that lists the layer types alone (global every 2nd layer) is saved with the period that
+    transformers 4.x reads instead of them, so that both versions build the same layers."""
+    config = edited_config(tmp_path).config.to_dict()
+    types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(SHAPES[0]["num_hidden_layers"])]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("global_attn_every_n_layers")
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "layer_types": types}))
+    ModernBERT.from_pretrained(str(tmp_path)).save_pretrained(str(tmp_path / "ours"))
+    back = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert back["layer_types"] == types and back["global_attn_every_n_layers"] == 2 != config["global_attn_every_n_layers"]
+
+
 def test_rope_parameters_without_a_theta_take_the_top_level_one_as_transformers_does(tmp_path):
     hf = edited_config(tmp_path, global_rope_theta=1000.0, local_rope_theta=100.0,
                        rope_parameters={k: {"rope_type": "default"} for k in ("full_attention", "sliding_attention")})
