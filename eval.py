@@ -600,8 +600,7 @@ def finetune(model, tasks, seeds=(42, 43, 44, 45, 46), out="results.json", epoch
     check_outputs("--out", [out], [*(f for t in tasks for f in t["files"].values()), Path(out).with_suffix(".seeds"),
                                    *model_files([info], [tok])])
     device = pick_device(device)
-    info["config"] = info["config"].replace(attention_dropout=0.0)  # no dropout whatever the pretraining used:
-    base = load_weights(info, device)  # arms pretrained with and without it are fine-tuned alike
+    base = load_weights({**info, "config": info["config"].replace(attention_dropout=0.0)}, device)  # no dropout, ever
     seed_dir = seed_folder(out)  # one that cannot be written ends here, before training; made once the weights load
     s = Settings(epochs, steps, evals, lr, max_len, batch_size, pooling, tok.pad_id, device, ner_mode)
     args = dict(model=str(model), seeds=list(seeds), epochs=epochs, steps=steps, evals=evals, lr=lr,

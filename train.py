@@ -369,8 +369,7 @@ def build_model(cfg, how, state, meta, device):
 
 
 def restore(carries, state, optimizer, loader, device, rank):
-    """What `carries` (a row of STARTS) carries over besides the weights: Adam's moments and t, the data position,
-    the RNG streams. Returns (phase step, phase tokens, the runs before this)."""
+    """Restores a row of STARTS but the weights; returns (phase step, phase tokens, the runs before this)."""
     if carries.moments:
         rundir.load_moments(optimizer.moments, state["dir"], device)
     if carries.adam_t:
@@ -425,9 +424,8 @@ def setup(given):
     flags.check_val_split(cfg, data.count_windows(cfg.data, "val", cfg.seq_len))
     frozen = freeze.frozen_names(model, freeze.parse_layers(cfg.freeze, model.config.num_hidden_layers))
     optimizer = AdamW(model.param_groups(), cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, frozen)
-    carries = STARTS[how]
-    if carries.rng and len(state["rng"]) != world:  # each process's streams were saved: another number restarts them
-        carries = dataclasses.replace(carries, rng=False)
+    same_world = how != "resume" or len(state["rng"]) == world  # each process's RNG streams were saved: another
+    carries = STARTS[how] if same_world else dataclasses.replace(STARTS[how], rng=False)  # number restarts them
     torch.manual_seed(cfg.seed + rank)  # dropout streams differ across ranks; a resume restores its own next
     phase_step, phase_tokens, history = restore(carries, state, optimizer, loader, device, rank)
     start = schedule_start(cfg, how, state)
