@@ -305,9 +305,9 @@ def start_point(given, master, world, local_world):
         run_dir, state = rundir.resume_from(out_dir, master, lambda s: cli.all_gather(s, world)[0], PHASES, FIELDS)
     else:
         state = rundir.newest_state(init_from, PHASES, FIELDS)  # None unless a run of ours
-    absent = flags.absent_settings(state, Config) if state else {}  # every rank: settings added since, at defaults
+    absent, removed = flags.absent_settings(state, Config, how) if state else ({}, {})  # every rank: added, removed
     if master:
-        progress.absent(how, absent, given, INHERITED)  # said once
+        progress.absent(how, absent, given, INHERITED, removed)  # said once
     if how == "resume":  # the budget may grow, the schedule kept
         cfg = resolve_config({**given, "out_dir": os.path.normpath(out_dir)}, saved=state["config"])
         flags.check_new_budget(Config(**state["config"]), cfg, state, learning_rate)

@@ -63,12 +63,23 @@ def checkpoint_fields(config_cls):
     return {name: kind + "?" * (name not in REQUIRED) for name, kind in field_types(config_cls).items()}
 
 
-def absent_settings(state, config_cls):
+def absent_settings(state, config_cls, how):
     """The settings of config_cls that a checkpoint's config lacks (it was written before they existed), put into
-    it at their defaults, so that what continues from it reads them as any other: {name: default}."""
-    absent = {f.name: f.default for f in dataclasses.fields(config_cls) if f.name not in state["config"]}
-    state["config"].update(absent)
-    return absent
+    it at their defaults, so that what continues from it reads them as any other; and those it holds that
+    config_cls no longer has (a field removed since), taken out of it: ({name: default}, {name: saved value}). A
+    resume continues the run as it was saved, which this code cannot: refused, with the way on. A hand-off or a
+    start from the weights goes on without them, as with any setting it does not inherit."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    removed = {name: value for name, value in state["config"].items() if name not in defaults}
+    if removed and how == "resume":
+        name, value = next(iter(removed.items()))
+        raise InputError(f"{state['dir']}/state.json: the run was saved with {name}={value!r}, a setting train.py's "
+                         f"Config no longer has (removed since), so --resume cannot continue it as it was; put the "
+                         f"field back to resume it, or start a new run from it with --init_from (a hand-off, or "
+                         f"--weights_only), which goes on without it")
+    absent = {name: value for name, value in defaults.items() if name not in state["config"]}
+    state["config"] = {name: value for name, value in state["config"].items() if name in defaults} | absent
+    return absent, removed
 
 
 def parse_value(key, text, kind):

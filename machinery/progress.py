@@ -130,14 +130,18 @@ def architecture(config, source, unlike):
               f"continues a checkpoint keeps its architecture): to train yours, start from scratch", file=sys.stderr)
 
 
-def absent(how, settings, given, inherited):
+def absent(how, settings, given, inherited, removed=None):
     """One line per setting the checkpoint a run continues lacks ({name: default}) and the run takes from it, at its
-    default: any a resume does, those a hand-off inherits (`inherited`), none that a flag gives (`given`)."""
+    default: any a resume does, those a hand-off inherits (`inherited`), none that a flag gives (`given`); and one
+    per setting a hand-off's parent was saved with that this code no longer has (`removed`: {name: value})."""
     where = {"resume": "this run", "handoff": "the run it continues"}.get(how)
     for name, value in settings.items():
         if where and name not in given and (how == "resume" or name in inherited):
             print(f"{name}: not in {where} (its checkpoint was written before the setting existed), its default "
                   f"{value!r}")
+    for name, value in (removed or {}).items() if how == "handoff" else ():
+        print(f"{name}={value!r}: a setting of {where} that train.py's Config no longer has (removed since its "
+              f"checkpoint was written): this run goes on without it")
 
 
 def at_its_peak(cfg, done, more, learning_rate):

@@ -584,14 +584,13 @@ def _setting(value, field, kind=None):
 
 def _config(value, fields):
     """The resolved configuration: {name: value}, every one of `fields` there (those whose type ends in "?" may
-    be missing) with its type when given."""
+    be missing) with its type when given. A setting not in `fields` (one removed from train.py's Config since the
+    checkpoint was written) is read as any plain value: flags.absent_settings decides what a start makes of it."""
     if fields is None:
         return _object(value, "config", _setting, 512)
     _object(value, "config", lambda v, f: None, 512)
     for key, item in value.items():
-        if key not in fields:
-            raise _Bad(f"config.{key}", f"not a setting of train.py (known: {', '.join(sorted(fields))})")
-        _setting(item, f"config.{key}", fields[key].rstrip("?"))
+        _setting(item, f"config.{key}", fields[key].rstrip("?") if key in fields else None)
     for key in fields:
         if key not in value and not fields[key].endswith("?"):  # "?": a setting an older checkpoint may lack
             raise _Bad(f"config.{key}", "missing, and a run cannot continue from it without it: its counters, data "

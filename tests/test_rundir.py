@@ -692,7 +692,7 @@ BAD_STATES = [  # (field to edit, bad value, the field the message names)
     ("config.lr", float("nan"), "config.lr"), ("config.lr", float("inf"), "config.lr"),
     ("config.lr", {"a": {"b": 1}}, "config.lr"), ("config.seed", 1.5, "config.seed"),
     ("config.seed", True, "config.seed"), ("config.compile", "yes", "config.compile"),
-    ("config.lrr", 1.0, "config.lrr"), ("history", "x", "history"), ("history", {"0": 1}, "history"),
+    ("config.lrr", [1.0], "config.lrr"), ("history", "x", "history"), ("history", {"0": 1}, "history"),
     ("history", [1], "history[0]"), ("history.0.tokens", -1, "history[0].tokens"),
     ("history.0.dir", DELETE, "history[0]"), ("history.0.phase", "foo", "history[0].phase"),
     ("config.seed", DELETE, "config.seed"), ("history.0.phase", deep(50), "history[0].phase"),

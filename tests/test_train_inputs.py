@@ -578,6 +578,32 @@ def test_a_setting_added_to_config_leaves_the_runs_made_before_it_usable(run_dir
     assert RunDir.open(str(tmp_path / "given")).latest_state()["config"]["label_smoothing"] == 0.1
 
 
+def test_a_setting_removed_from_config_leaves_the_runs_made_with_it_usable(run_dir, demo_corpus, tmp_path, capsys):
+    """The ablation undone: a run saved with a field that train.py's Config no longer has (label_smoothing, added
+    for the run and removed since). A hand-off and a --weights_only start go on without it (the hand-off says so
+    once, and its checkpoint does not hold it); a --resume, which continues the run as it was saved, is refused in
+    one line that names the setting and the way on."""
+    def saved_with_smoothing(folder):
+        state = json.loads((folder / "state.json").read_text())
+        state["config"]["label_smoothing"] = 0.1
+        (folder / "state.json").write_text(json.dumps(state))
+    out = copy_run(run_dir, tmp_path, saved_with_smoothing)
+    said = ("label_smoothing=0.1: a setting of the run it continues that train.py's Config no longer has (removed "
+            "since its checkpoint was written): this run goes on without it")
+    capsys.readouterr()
+    for how, argv in {"handoff": [f"--init_from={out}", "--phase=decay", f"--out_dir={tmp_path / 'decay'}",
+                                  f"--tokens={STEP_TOKENS}"],
+                      "weights": [f"--init_from={out}", "--weights_only", f"--out_dir={tmp_path / 'weights'}",
+                                  f"--data={demo_corpus}", *SMALL, f"--tokens={STEP_TOKENS}"]}.items():
+        train.main(argv)
+        printed = capsys.readouterr().out
+        assert printed.count(said) == (how == "handoff") and "label_smoothing=" not in printed.replace(said, ""), how
+        state = RunDir.open(str(tmp_path / ("decay" if how == "handoff" else "weights"))).latest_state()
+        assert "label_smoothing" not in state["config"] and state["phase_step"] == 1, how
+    fails(capsys, [f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"], "state.json: the run was saved "
+          "with label_smoothing=0.1, a setting train.py's Config no longer has", "put the field back", "--init_from")
+
+
 def test_a_checkpoint_that_calls_adam_t_step_resumes_and_hands_off(run_dir, tmp_path):
     """A checkpoint written before Adam's t had its own name holds it as `step`: it resumes to the weights of the
     same checkpoint under today's name, and hands its t on."""
