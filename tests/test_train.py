@@ -327,6 +327,23 @@ def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path,
     assert state["phase_step"] == 4 and state["code"] == other and len(state["earlier_code"]) == 2
 
 
+def test_a_hand_off_under_changed_code_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """An edit between the phases (often the ablation itself): the hand-off says that the run it continues was
+    written by other code, naming both; under the same code it says nothing of it."""
+    from machinery import progress, rundir
+    _, state = run(corpus, tmp_path / "run", "--phase=mlm", f"--tokens={2 * STEP_TOKENS}")
+    decay = [f"--init_from={tmp_path / 'run'}", "--phase=decay", f"--tokens={STEP_TOKENS}"]
+    capsys.readouterr()
+    train.main([*decay, f"--out_dir={tmp_path / 'same'}"])
+    assert "written by other code" not in capsys.readouterr().out
+    edited = {**progress.code_version(), "sha256": "an edited data"}
+    for module in (progress, rundir):
+        monkeypatch.setattr(module, "code_version", lambda: edited)
+    train.main([*decay, f"--out_dir={tmp_path / 'edited'}"])
+    assert f"note: {tmp_path / 'run'} was written by other code (a script or a module of machinery/ changed since: " \
+           f"code {state['code']['sha256']} then, an edited data now)" in capsys.readouterr().out
+
+
 def test_the_loss_on_the_page_is_the_loss_that_trains(corpus, tmp_path, monkeypatch, capsys):
     """model.py's cross_entropy trains by default and the start line says so: label smoothing added to it changes
     the run's losses and weights. --loss=fused, named on the start line, trains the same run to rounding, and is
