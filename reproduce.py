@@ -536,8 +536,10 @@ def report(out, study, scale, s, stages, plan, R):
     from eval import cka_summary
     from machinery.compare import compare, compared, family
     from machinery.stages import stage_times
+    from machinery.rundir import code_version
     runs = runs_summary(stages)
     rep = dict(study=study, scale=scale, replicates=R, fingerprint=plan["fingerprint"], code=plan["code"],
+               git=code_version()["git"],  # the code on disk is the plan's (check_unchanged): its commit, "+edits"
                versions=plan.get("versions") or {}, runs=runs,  # {} in a plan written before versions were kept
                losses={title: losses(runs, models, base, R) for title, models, base in COMPARISONS[study]},
                finetune={}, per_setting=per_setting(out, s, study, R), time=stage_times(out, stages))
@@ -666,6 +668,13 @@ def model_line(run_dir):
             f"parameters, vocabulary {config['vocab_size']:,}")
 
 
+def commit_words(rep):
+    """', at commit C' (with ', plus uncommitted edits to them' where the code was not C's): the code the report's
+    digest names, where git knew it; '' where it did not, or in a report written before it was recorded."""
+    commit, edits = str(rep.get("git") or "").partition("+edits")[:2]
+    return f", at commit `{commit[:12]}`" + (" plus uncommitted edits to them" if edits else "") if commit else ""
+
+
 def what_was_run(rep, study, s, stages):
     """The rows of the report's first table."""
     ft, R = s["ft"], rep["replicates"]
@@ -684,7 +693,7 @@ def what_was_run(rep, study, s, stages):
                             f"{ft['max_len']} tokens; {lrs}; {len(seeds_[0].split(','))} seeds per model, "
                             f"replicate and lr, each replicate's own, shared by its arms ({'; '.join(seeds_)})"),
             ("stages", f"{len(stages)}, all finished; plan fingerprint `{rep['fingerprint'][:12]}`"),
-            ("code", f"source digest `{rep['code'][:16]}` (every script and machinery module); "
+            ("code", f"source digest `{rep['code'][:16]}` (every script and machinery module){commit_words(rep)}; "
                      + (", ".join(f"{name} {version}" for name, version in rep["versions"].items())
                         or "package versions not recorded (a plan written before they were)"))]
     if study == "detour":

@@ -760,14 +760,19 @@ def set_rng_state(state, device):
 
 
 def code_version():
-    """The git commit when there is one, a hash of the code that ran (it may be uncommitted): every script and this
-    package (cli.source_digest), and the versions of the packages it ran on (cli.versions)."""
+    """The git commit when there is one, "+edits" after it where the files cli.source_digest hashes differ from the
+    commit's (an ablation run before it is committed: the commit alone would name code that did not run); a hash of
+    the code that ran: every script and this package (cli.source_digest); the versions of the packages it ran on
+    (cli.versions)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=30).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        edited = commit and git("status", "--porcelain", "--", ":(glob)*.py", ":(glob)machinery/*.py")
     except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"git": commit or None, "sha256": source_digest()[:16], "versions": versions()}
+        commit, edited = "", ""
+    return {"git": (commit + "+edits" if edited else commit) or None, "sha256": source_digest()[:16],
+            "versions": versions()}
 
 
 def code_record(resumed=None):

@@ -188,7 +188,11 @@ def test_detour_report_opens_with_what_was_run_and_holds_every_table(detour):
     assert lines[4] == "## What was run" and "4 blocks x 128 wide" in text
     assert "3 seeds per model, replicate and lr, each replicate's own, shared by its arms (42,43,44; 45,46,47)" in text
     from machinery import cli
-    assert report["versions"] == cli.versions() and "(every script and machinery module); python " in text
+    from machinery.rundir import code_version
+    sys.path.insert(0, str(ROOT))
+    from reproduce import commit_words
+    assert report["versions"] == cli.versions() and report["git"] == code_version()["git"]
+    assert f"(every script and machinery module){commit_words(report)}; python " in text
     assert "## The verdicts" in text and "Layer-wise CKA before the decay" in text and "Trend with depth" in text
     assert "detectable (80% power)" in text and "10 moved from train" in text and "lr 0.001 (fixed, not chosen)" in text
     assert text.count("majority baseline") >= 3 and "Wall time:" in text and "Summed stage time:" in text
@@ -573,6 +577,18 @@ def test_a_tokenizer_the_plan_learns_is_no_input_of_the_data_stage(tmp_path):
     mine = tmp_path / "mine.json"  # a tokenizer file of the user's is an input: its content counts
     mine.write_text("{}")
     assert reproduce.data_stages(mine, [], [corpus], out)[0][0].inputs == [corpus, mine]
+
+
+def test_the_report_names_the_commit_of_its_code_and_uncommitted_edits():
+    """The report's code row: the commit whose code ran (its source digest alone cannot be traced back), and where
+    the scripts or machinery/ held edits not committed (an ablation), that it was not that commit's code."""
+    sys.path.insert(0, str(ROOT))
+    import reproduce
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert reproduce.commit_words({"git": commit}) == ", at commit `0123456789ab`"
+    assert reproduce.commit_words({"git": commit + "+edits"}) == ", at commit `0123456789ab` plus uncommitted edits " \
+                                                                 "to them"
+    assert reproduce.commit_words({"git": None}) == reproduce.commit_words({}) == ""  # no git; a report before it
 
 
 def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):

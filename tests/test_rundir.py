@@ -831,6 +831,30 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
     assert len({v["sha256"] for v in versions.values()}) == 3
 
 
+def test_code_version_names_the_commit_and_whether_the_code_that_ran_differs_from_it(tmp_path, monkeypatch):
+    """An ablation run before it is committed: the commit with "+edits", where a script or a machinery module (the
+    files the code's hash covers: edited, or new) differs from the commit's; a test or a document does not count."""
+    repo = tmp_path / "repo"
+    for path in ("train.py", "machinery/cli.py", "tests/test_x.py", "README.md"):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text("x = 1\n")
+    git = functools.partial(subprocess.run, cwd=repo, check=True, capture_output=True, text=True)
+    git(["git", "init", "-q"])
+    git(["git", "add", "."])
+    git(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"])
+    commit = git(["git", "rev-parse", "HEAD"]).stdout.strip()
+    monkeypatch.setattr(rundir, "ROOT", str(repo))
+    assert rundir.code_version()["git"] == commit
+    for path in ("tests/test_x.py", "README.md", "tests/new.py"):
+        (repo / path).write_text("x = 2\n")
+    assert rundir.code_version()["git"] == commit
+    for path in ("machinery/cli.py", "train.py", "machinery/new.py", "model.py"):
+        (repo / path).write_text("x = 2\n")
+        assert rundir.code_version()["git"] == commit + "+edits", path
+        git(["git", "checkout", "-q", "--", path]) if path in ("machinery/cli.py", "train.py") else (repo / path).unlink()
+    assert rundir.code_version()["git"] == commit
+
+
 def test_a_checkpoint_written_before_earlier_code_existed_validates_and_resumes_its_record(monkeypatch):
     """earlier_code is optional: a state.json without it (older checkpoints) validates, and a resume of it starts
     the record from its code (the code up to its step, where this resume runs other code; nothing where the same)."""
