@@ -58,7 +58,7 @@ class Config:
     micro_batch_size: int = 4  # sequences per process per forward; 0: batch_size / processes
     # the objective
     objective: str = "mlm"  # set by the phase: mlm, or clm (a causal mask and next-token labels)
-    mask_rate: float = 0.3  # MLM: the share of tokens predicted (80% [MASK], 10% random, 10% kept)
+    mask_rate: float = 0.3  # MLM's share of tokens predicted (80% [MASK], 10% random, 10% kept); the phase sets it
     separate_documents: bool = False  # no attention across packed documents (the paper allows it)
     freeze: str = ""  # unchanged: blocks 0-7 | 8-14 | 0,2,5 | low | mid; embeddings (tied: output too)
     # the optimizer and the schedule

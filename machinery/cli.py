@@ -538,11 +538,12 @@ def sha256_file(path):
     return digest.hexdigest()
 
 
-REPOSITORY = Path(__file__).resolve().parent.parent  # the scripts and machinery/: all the code a result comes from
+REPOSITORY = Path(__file__).resolve().parent.parent  # the scripts, machinery/ and any other folder of code
 
 
 def source_digest(now=False):
-    """The hex SHA-256 of every .py file of the repository's scripts and of machinery/ (their names and contents):
+    """The hex SHA-256 of every .py file of the repository's scripts and of its folders one level down (their names
+    and contents; `code_files`):
     all the code that can change a result kept across commands (a fine-tuning seed, a study's stage, the code a
     checkpoint was written by), not a list of files that an edit elsewhere would slip past. Read once per process
     (at its start: `run`), as the code it describes was imported once; `now`: read the files again (a study's
@@ -550,10 +551,20 @@ def source_digest(now=False):
     return _digest_of_sources.__wrapped__(REPOSITORY) if now else _digest_of_sources(REPOSITORY)
 
 
+NOT_CODE = ("tests", "docs")  # folders whose .py files cannot change a result: the checks and the documents
+
+
+def code_files(root):
+    """The .py files a result can come from: the scripts, machinery/ and any folder beside it (a student's
+    `ablations/x.py`, imported by an edited script, is code a cache must not outlive), one level down."""
+    return sorted(path for path in [*root.glob("*.py"), *root.glob("*/*.py")]
+                  if path.parent == root or not (path.parent.name in NOT_CODE or path.parent.name.startswith(".")))
+
+
 @functools.cache
 def _digest_of_sources(root):
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("machinery/*.py")]):
+    for path in code_files(root):
         content = path.read_bytes()
         digest.update(f"{path.relative_to(root).as_posix()}\0{len(content)}\0".encode() + content)
     return digest.hexdigest()

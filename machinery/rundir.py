@@ -45,7 +45,7 @@ import sys
 import threading
 import uuid
 
-from machinery.cli import InputError, Stop, read_json, source_digest, versions, write_json
+from machinery.cli import NOT_CODE, InputError, Stop, read_json, source_digest, versions, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: code_version asks git there
 RUN_FILE = "run.json"
@@ -762,13 +762,14 @@ def set_rng_state(state, device):
 def code_version():
     """The git commit when there is one, "+edits" after it where the files cli.source_digest hashes differ from the
     commit's (an ablation run before it is committed: the commit alone would name code that did not run); a hash of
-    the code that ran: every script and this package (cli.source_digest); the versions of the packages it ran on
+    the code that ran: every script, this package and any other folder of code (cli.source_digest); the versions of the packages it ran on
     (cli.versions)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
     try:
         commit = git("rev-parse", "HEAD")
-        edited = commit and git("status", "--porcelain", "--", ":(glob)*.py", ":(glob)machinery/*.py")
+        edited = commit and git("status", "--porcelain", "--", ":(glob)*.py", ":(glob)*/*.py",
+                                *(f":(exclude){folder}/" for folder in NOT_CODE))
     except (OSError, subprocess.SubprocessError):
         commit, edited = "", ""
     return {"git": (commit + "+edits" if edited else commit) or None, "sha256": source_digest()[:16],

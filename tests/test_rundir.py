@@ -829,6 +829,15 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
         versions[edit] = rundir.code_version()
     assert versions[None] == {"git": None, "sha256": here, "versions": cli.versions()}
     assert len({v["sha256"] for v in versions.values()}) == 3
+    # a folder of code beside machinery/ (a student's ablation module) counts; tests, documents, hidden ones do not
+    root = tmp_path / "None"  # the unedited copy
+    monkeypatch.setattr(cli, "REPOSITORY", root)
+    for path, counts in (("ablations/x.py", True), ("tests/test_y.py", False), ("docs/z.py", False),
+                         (".venv/w.py", False)):
+        (root / path).parent.mkdir(exist_ok=True)
+        (root / path).write_text("x = 1\n")
+        assert (cli.source_digest(now=True)[:16] != versions[None]["sha256"]) == counts, path
+        (root / path).unlink()
 
 
 def test_code_version_names_the_commit_and_whether_the_code_that_ran_differs_from_it(tmp_path, monkeypatch):
@@ -848,7 +857,8 @@ def test_code_version_names_the_commit_and_whether_the_code_that_ran_differs_fro
     for path in ("tests/test_x.py", "README.md", "tests/new.py"):
         (repo / path).write_text("x = 2\n")
     assert rundir.code_version()["git"] == commit
-    for path in ("machinery/cli.py", "train.py", "machinery/new.py", "model.py"):
+    for path in ("machinery/cli.py", "train.py", "machinery/new.py", "model.py", "ablations/x.py"):
+        (repo / path).parent.mkdir(exist_ok=True)
         (repo / path).write_text("x = 2\n")
         assert rundir.code_version()["git"] == commit + "+edits", path
         git(["git", "checkout", "-q", "--", path]) if path in ("machinery/cli.py", "train.py") else (repo / path).unlink()
