@@ -543,7 +543,14 @@ def compare_task(loaded, reference, task, kind_of):
     if len(modes) > 1:  # each arm's dev choice and test score would be read again in the first one's
         raise InputError(f"{task}: the runs read entities with different --ner_mode ({', '.join(sorted(modes))}): "
                          f"their entity F1s are not one measure; fine-tune every arm with the same --ner_mode")
-    kind = kind_of(first)
+    kinds = {r["kind"] for r in runs}
+    if len(kinds) > 1:  # one kind's counts and metric read the predictions of every arm
+        raise InputError(f"{task}: the results files hold it as tasks of different kinds ({', '.join(sorted(kinds))})")
+    try:
+        kind = kind_of(first)
+    except KeyError as e:
+        raise InputError(f"{task}: its kind or --ner_mode {e} is not one eval.py knows (a results file of another "
+                         f"version?)") from None
     seeds = paired_seeds(loaded, task)
     metric = first["primary"]
     rows, test, dev = {}, {}, {}

@@ -482,6 +482,36 @@ def test_compare_refuses_unpaired_arms_and_names_what_it_leaves_out(tmp_path):
         cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.kind_of)
 
 
+def edit_json(path, change):
+    r = json.loads(path.read_text())
+    change(r)
+    path.write_text(json.dumps(r))
+
+
+def predictions_of(path, seed="1"):
+    return path.parent / json.loads(path.read_text())["tasks"]["t"]["seeds"][seed]["predictions"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"]["seeds"]["1"].pop("dev")), "lacks a finite macro_f1 test score "
+                                                                                  "(or dev score)"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"]["baseline"].pop("dev")), "lacks a finite macro_f1 test score"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"].pop("majority")), "task 't' lacks its majority (written by an "
+                                                                        "older eval.py?)"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"].update(kind="regression")), "t: the results files hold it as "
+                                                                                  "tasks of different kinds"),
+    (lambda x: predictions_of(x).write_text("[1, 2]"), "t-seed1.json: no test predictions in it"),
+    (lambda x: predictions_of(x).write_text(json.dumps({"predictions": {"test": [{"gold": "a"}], "dev": [1]}})),
+     "t-seed1.json: its test predictions are not rows of a gold label and a prediction of its kind")])
+def test_table_refuses_a_results_file_it_cannot_read_in_one_line(tmp_path, change, message):
+    """A results file (or a seed's predictions) written by an older eval.py or edited by hand: one line naming the
+    file and what it lacks, never a KeyError from deep in the comparison."""
+    ref, x = arm(tmp_path, "ref", {"-": (0.6, 0.6)}, R=1)["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)}, R=1)["-"]
+    change(x[0])
+    with pytest.raises(InputError, match=re.escape(message)):
+        cmp.table([str(ref[0]), str(x[0])], ev.kind_of)
+
+
 def test_replicates_with_seeds_of_their_own_pair_replicate_by_replicate(tmp_path):
     """reproduce.py gives each replicate fine-tuning seeds of its own (1, 2; 3, 4; 5, 6) and every arm of a
     replicate the same: runs pair replicate by replicate and seed by seed, and the difference is the mean over those
