@@ -539,6 +539,23 @@ def test_table_reads_replicates_separated_by_commas(tmp_path):
     assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text
 
 
+def test_a_table_of_one_pretraining_run_says_what_its_intervals_count_and_where_settings_were_chosen(tmp_path):
+    """One pretraining run per arm: with one fine-tuning seed the interval is the test examples' alone (the runs' part
+    is 0), and the table says so rather than that it counts seeds; with several settings, a run's is chosen on the
+    arm's other seeds' dev scores, and the table says that rather than other replicates'."""
+    ref, x = (arm(tmp_path, name, {"-": (0.6, 0.6)}, R=1, seeds=(1,))["-"] for name in ("ref", "x"))
+    text = cmp.table([str(ref[0]), str(x[0])], ev.kind_of)
+    d = cmp.compare({"ref": {"-": ref}, "x": {"-": x}}, ev.kind_of)["tasks"]["t"]["arms"]["x"]["difference"]
+    assert d["sd_runs"] == 0.0 and d["df"] == float("inf")
+    assert "count the test examples only" in text and "count fine-tuning seeds" not in text
+    seeds = {"ref": arm(tmp_path, "ref2", {"1": (0.6, 0.6), "2": (0.5, 0.5)}, R=1),
+             "x": arm(tmp_path, "x2", {"1": (0.6, 0.6), "2": (0.5, 0.5)}, R=1)}
+    from machinery.report import finetune_markdown
+    text = finetune_markdown(cmp.compare(seeds, ev.kind_of))
+    assert "(chosen on the other seeds' dev)" in text and "other replicates' dev)" not in text
+    assert "count fine-tuning seeds and test examples only" in text
+
+
 def test_a_table_of_arms_fine_tuned_on_different_budgets_says_so(tmp_path):
     """Results files record what their fine-tuning spent (steps, batch, train examples, max_len, dev evaluations):
     arms, or an arm's replicates, that differ in it are labelled, above the table and in every verdict, since
