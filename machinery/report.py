@@ -203,6 +203,10 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                           f"were as estimated (power, from the same variance components as each interval); the "
                           f"range beside each is the same at the 95% confidence bounds of its runs' variance. "
                           + pooled_note(t, name) + pretraining_note(t)]
+        if t.get("unpaired"):
+            lines += ["", f"Left out of {task}: " + "; ".join(f"seed(s) {', '.join(s)} of {path}" for path, s in
+                                                             t["unpaired"].items())
+                      + ", which not every arm ran on that replicate (a run pairs with the same seed of every arm)."]
         lines.append("")
     for task, files in comparison.get("left_out", {}).items():
         lines.append(f"Left out: {task}, which {', '.join(files)} lack(s).")

@@ -515,7 +515,8 @@ def test_table_refuses_a_results_file_it_cannot_read_in_one_line(tmp_path, chang
 def test_replicates_with_seeds_of_their_own_pair_replicate_by_replicate(tmp_path):
     """reproduce.py gives each replicate fine-tuning seeds of its own (1, 2; 3, 4; 5, 6) and every arm of a
     replicate the same: runs pair replicate by replicate and seed by seed, and the difference is the mean over those
-    pairs. Replicates that share different numbers of seeds across the arms are refused (no table of runs)."""
+    pairs; a seed that not every arm ran is named as left out. Replicates that share different numbers of seeds across
+    the arms are refused (no table of runs)."""
     own = lambda name, seeds_of=lambda r: (2 * r + 1, 2 * r + 2): arm(tmp_path, name, {"-": (0.7, 0.7)},
                                                                        seeds_of=seeds_of)
     arms = {"ref": own("ref"), "x": own("x")}
@@ -526,6 +527,12 @@ def test_replicates_with_seeds_of_their_own_pair_replicate_by_replicate(tmp_path
     d = t["arms"]["x"]["difference"]
     assert d["mean"] == pytest.approx(np.mean(np.array(test["x"]) - np.array(test["ref"])))
     assert (d["components"]["replicates"], d["components"]["seeds"]) == (3, 2)
+    more = own("more", lambda r: (2 * r + 1, 2 * r + 2, 99) if r == 2 else (2 * r + 1, 2 * r + 2))
+    from machinery.report import finetune_markdown
+    both = cmp.compare({"ref": arms["ref"], "more": more}, ev.kind_of)
+    t = both["tasks"]["t"]
+    assert t["seeds"][2] == ["5", "6"] and t["unpaired"] == {str(more["-"][2]): ["99"]}  # named, not dropped unsaid
+    assert f"Left out of t: seed(s) 99 of {more['-'][2]}, which not every arm ran" in finetune_markdown(both)
     short = own("short", lambda r: (2 * r + 1,) if r == 1 else (2 * r + 1, 2 * r + 2))
     with pytest.raises(InputError, match=r"^t: the replicates share 2, 1, 2 fine-tuning seeds across the arms"):
         cmp.compare({"ref": arms["ref"], "short": short}, ev.kind_of)
