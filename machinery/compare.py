@@ -491,7 +491,8 @@ def compare(arms, kind_of, reference=None):
     (choose_apart), the mean dev score per setting, whether it is informative on dev, the test score (primary
     metric) with its interval, accuracy, and its difference to the reference (interval, detectable difference,
     verdict, its own components beside the pooled ones). A task where the reference is not informative gets no
-    verdict; tasks that some arm lacks are named in "left_out"."""
+    verdict; tasks that some arm lacks are named in "left_out", and a task's seeds that not every arm ran in its
+    "unpaired"."""
     reference = reference or next(iter(arms))
     if reference not in arms:
         raise InputError(f"reference arm {reference!r} is not among the arms {list(arms)}")
@@ -543,7 +544,14 @@ def compare_task(loaded, reference, task, kind_of):
     if len(modes) > 1:  # each arm's dev choice and test score would be read again in the first one's
         raise InputError(f"{task}: the runs read entities with different --ner_mode ({', '.join(sorted(modes))}): "
                          f"their entity F1s are not one measure; fine-tune every arm with the same --ner_mode")
-    kind = kind_of(first)
+    kinds = {r["kind"] for r in runs}
+    if len(kinds) > 1:  # one kind's counts and metric read the predictions of every arm
+        raise InputError(f"{task}: the results files hold it as tasks of different kinds ({', '.join(sorted(kinds))})")
+    try:
+        kind = kind_of(first)
+    except KeyError as e:
+        raise InputError(f"{task}: its kind or --ner_mode {e} is not one eval.py knows (a results file of another "
+                         f"version?)") from None
     seeds = paired_seeds(loaded, task)
     metric = first["primary"]
     rows, test, dev = {}, {}, {}
@@ -602,11 +610,14 @@ def compare_task(loaded, reference, task, kind_of):
     spent = {arm: [budget(loaded[arm][setting][r][1], task) for r, chosen in enumerate(row["chosen"])
                    for setting in dict.fromkeys(chosen)] for arm, row in rows.items()}  # each run at its setting
     mixed = len({tuple(b.items()) for runs in spent.values() for b in runs}) > 1
+    unpaired = {str(path): extra for settings in loaded.values() for files in settings.values()  # named, not dropped
+                for r, (path, results) in enumerate(files)
+                if (extra := [s for s in results["tasks"][task]["seeds"] if s not in seeds[r]])}
     return {"kind": kind.name, "metric": metric, "baseline": first["baseline"], "seeds": seeds,
             "ner_mode": first.get("ner_mode"), "replicates": len(test[reference]), "reference": reference,
             "ranked": ranked, "dev_examples": n_dev, "test_examples": counts["test"][reference].shape[2],
             "dev_split": first.get("dev_split"), "arms": rows, "pooled": pool if pooled else [],
-            **({"mixed_budgets": spent} if mixed else {})}
+            **({"mixed_budgets": spent} if mixed else {}), **({"unpaired": unpaired} if unpaired else {})}
 
 
 def budget(results, task):

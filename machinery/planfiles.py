@@ -70,7 +70,7 @@ def read_components(path):
 
     from machinery.compare import components as pooled_components
     rep = read_json(path, "a report.json of reproduce.py")
-    groups, older = {}, {}
+    groups, older, shapes = {}, {}, {}
     try:
         if not isinstance(rep, dict):
             raise Bad("(top level)", f"expected an object, got {shown(rep)}")
@@ -87,8 +87,11 @@ def read_components(path):
                         continue  # the reference, or an arm with no difference
                     if difference.get("measured") is not None:  # each run's difference: pooled below
                         differences[arm] = measured(difference["measured"], f"{at}.difference.measured")
+                        alike(differences[arm], shapes.setdefault(task, differences[arm]), f"{at}.difference.measured")
                     elif difference.get("components") is not None:  # a report before reports kept them
                         own.append(components(difference["components"], f"{at}.difference.components"))
+                if not isinstance(t.get("pooled") or [], list):
+                    raise Bad(f"{here}.tasks[{task!r}].pooled", f"expected a list of arms, got {shown(t['pooled'])}")
                 pool = [arm for arm in t.get("pooled") or [] if arm in differences] or list(differences)
                 if pool:
                     groups.setdefault(task, []).append([differences[arm] for arm in pool])
@@ -116,6 +119,17 @@ def measured(m, field):
             raise Bad(f"{field}.{key}", f"expected {'an integer >= 1' if key == 'examples' else 'a finite number'}, "
                                         f"got {shown(m.get(key))}")
     return m
+
+
+def alike(m, first, field):
+    """A task's differences are pooled as one table: each holds the first's replicates x seeds and test examples."""
+    shape, want = (len(m["runs"]), len(m["runs"][0])), (len(first["runs"]), len(first["runs"][0]))
+    if shape != want:
+        raise Bad(f"{field}.runs", f"expected {want[0]} replicates x {want[1]} seeds, as the task's first difference, "
+                                   f"got {shape[0]} x {shape[1]}")
+    if m["examples"] != first["examples"]:
+        raise Bad(f"{field}.examples", f"expected {first['examples']}, as the task's first difference, got "
+                                       f"{m['examples']}")
 
 
 def averaged(cs):

@@ -176,7 +176,8 @@ def finetune_markdown(comparison, names=None, settings="setting"):
             lines += [f"**Fine-tuning budgets differ between the runs compared** ({budgets_text(mixed, name)}): each "
                       f"difference below, and its verdict, is that of the pretraining and of the fine-tuning budget "
                       f"together, not of the pretraining alone.", ""]
-        how = "chosen on the other replicates' dev" if chosen else "fixed"
+        how = ("fixed" if not chosen else "chosen on the other replicates' dev" if t["replicates"] > 1 else
+               "chosen on the other seeds' dev" if len(t["seeds"][0]) > 1 else "chosen on its own dev: a single run")
         lines += [f"| arm | {settings} ({how}) | runs | dev "
                   f"{metric} | informative on dev | test {metric} (95% interval) | test accuracy | arm - {name(ref)} "
                   f"(95% interval) | p; family-wise (Holm) | detectable (80% power) [95% range]; own | verdict |",
@@ -202,6 +203,10 @@ def finetune_markdown(comparison, names=None, settings="setting"):
                           f"were as estimated (power, from the same variance components as each interval); the "
                           f"range beside each is the same at the 95% confidence bounds of its runs' variance. "
                           + pooled_note(t, name) + pretraining_note(t)]
+        if t.get("unpaired"):
+            lines += ["", f"Left out of {task}: " + "; ".join(f"seed(s) {', '.join(s)} of {path}" for path, s in
+                                                             t["unpaired"].items())
+                      + ", which not every arm ran on that replicate (a run pairs with the same seed of every arm)."]
         lines.append("")
     for task, files in comparison.get("left_out", {}).items():
         lines.append(f"Left out: {task}, which {', '.join(files)} lack(s).")
@@ -243,15 +248,21 @@ NER_WORDS = {"default": "default mode (an I- tag that continues nothing starts a
 
 
 def pretraining_note(t):
-    return "" if t["replicates"] > 1 else (" One pretraining run per arm: these intervals count fine-tuning seeds "
-                                           "and test examples only, not pretraining noise.")
+    if t["replicates"] > 1:
+        return ""
+    if len(t["seeds"][0]) > 1:
+        return " One pretraining run per arm: these intervals count fine-tuning seeds and test examples only, not " \
+               "pretraining noise."
+    return (" One pretraining run per arm and one fine-tuning seed: these intervals count the test examples only, not "
+            "pretraining noise nor how much another fine-tuning seed would move the scores.")
 
 
 INTERVAL_LEGEND = (
     "How to read it: a run is one fine-tuning seed of one pretraining run; where there were several settings, each "
-    "run's test score is read at the one with the best mean dev score over the arm's other replicates (never its own "
-    "dev score), and within a run at the checkpoint with its best dev score. Intervals are 95%: the variance of the "
-    "replicates' means (the seeds' spread is inside it), pooled over the arms that learned, plus a bootstrap of the "
+    "run's test score is read at the one with the best mean dev score over the arm's other replicates (with one, its "
+    "other seeds; never its own dev score but where it is the arm's only run), and within a run at the checkpoint "
+    "with its best dev score. Intervals are 95%: the variance of the replicates' means (the seeds' spread is inside "
+    "it; with one replicate, of its seeds), pooled over the arms that learned, plus a bootstrap of the "
     "test examples (2,000 draws, the metric recomputed from the predictions), with a t quantile on Satterthwaite's "
     "degrees of freedom; differences pair replicate r, seed s and every test example across arms. \"better\" or "
     "\"worse\" only when the interval excludes 0; p: the same t test's two-sided p value, and where the comparison "

@@ -231,16 +231,17 @@ def is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def score(entry, metric):
-    """entry["test"][metric] when it is a finite number, else None."""
-    test = entry.get("test") if isinstance(entry, dict) else None
-    value = test.get(metric) if isinstance(test, dict) else None
+def score(entry, metric, split="test"):
+    """entry[split][metric] when it is a finite number, else None."""
+    scores = entry.get(split) if isinstance(entry, dict) else None
+    value = scores.get(metric) if isinstance(scores, dict) else None
     return value if is_number(value) else None
 
 
 def load_results(path):
-    """A results file of `eval.py finetune`, checked: every task names its primary metric, and every seed
-    and the majority baseline have a finite test score on it (a NaN would print as a number)."""
+    """A results file of `eval.py finetune`, checked: every task names its primary metric, its kind, its majority
+    label and the labels it scored, and every seed and the majority baseline have a finite dev and test score on it
+    (a NaN would print as a number; a comparison chooses on dev and reads test)."""
     r = read_json(path, "a results file of `eval.py finetune`")
     tasks = r.get("tasks") if isinstance(r, dict) else None
     if not isinstance(tasks, dict) or not tasks:
@@ -248,10 +249,16 @@ def load_results(path):
     for name, t in tasks.items():
         metric = t.get("primary") if isinstance(t, dict) else None
         seeds = t.get("seeds") if isinstance(metric, str) else None
-        ok = isinstance(seeds, dict) and seeds and all(score(s, metric) is not None for s in seeds.values())
-        if not ok or score(t.get("baseline"), metric) is None:
-            raise InputError(f"{path}: task {name!r} lacks a finite {metric or 'primary'} test score for every "
-                             f"seed and for the baseline")
+        ok = isinstance(seeds, dict) and seeds and all(score(s, metric, split) is not None for s in
+                                                       [*seeds.values(), t.get("baseline")] for split in ("dev", "test"))
+        if not ok:
+            raise InputError(f"{path}: task {name!r} lacks a finite {metric or 'primary'} test score (or dev score) "
+                             f"for every seed and for the baseline")
+        lacks = [k for k, ok in (("kind", isinstance(t.get("kind"), str)), ("majority", t.get("majority") is not None),
+                                 ("scored", isinstance(t.get("scored"), list))) if not ok]
+        if lacks:
+            raise InputError(f"{path}: task {name!r} lacks its {', '.join(lacks)} (written by an older eval.py?); "
+                             f"run its `eval.py finetune` again")
     return r
 
 
@@ -292,9 +299,13 @@ def read_predictions(results_path, task, seed, split="test"):
     if not name or not path.is_file():
         raise InputError(f"{results_path}: seed {seed} of {task['task']} names no predictions file "
                          f"that exists ({name}); run its `eval.py finetune` again")
-    saved = read_json(path, "a fine-tuning result of `eval.py finetune`").get("predictions")
+    saved = read_json(path, "a fine-tuning result of `eval.py finetune`")
+    saved = saved.get("predictions") if isinstance(saved, dict) else None
     rows = saved.get(split) if isinstance(saved, dict) else None
     if not isinstance(rows, list) or not rows:
         raise InputError(f"{path}: no {split} predictions in it (written by an older eval.py?); run its "
                          f"`eval.py finetune` again")
+    if not all(isinstance(row, dict) and "gold" in row and type(row.get("pred")) is type(row["gold"]) for row in rows):
+        raise InputError(f"{path}: its {split} predictions are not rows of a gold label and a prediction of its kind; "
+                         f"run its `eval.py finetune` again")
     return [row["gold"] for row in rows], [row["pred"] for row in rows]

@@ -515,6 +515,15 @@ BAD_COMPONENTS += [(report_with(**{"finetune/t/tasks/ncbi_disease/arms/clm/diffe
                                 ({**GOOD_MEASURED, "runs": "x"}, "runs: expected a table"),
                                 ({**GOOD_MEASURED, "examples": 0}, "examples: expected an integer >= 1"),
                                 ({**GOOD_MEASURED, "example_var": None}, "example_var: expected a finite number")]]
+TWO = "finetune/t/tasks/ncbi_disease/arms"  # a second difference of the task, pooled with the first as one table
+BAD_COMPONENTS += [(report_with(**{TWO: {"mlm": {}, "clm": {"difference": {"measured": GOOD_MEASURED}},
+                                         "x": {"difference": {"measured": {**GOOD_MEASURED, **m}}}}}),
+                    f"finetune['t'].tasks['ncbi_disease'].arms['x'].difference.measured.{e}")
+                   for m, e in [({"runs": [[0.01], [0.0]]}, "runs: expected 2 replicates x 2 seeds, as the task's "
+                                                            "first difference, got 2 x 1"),
+                                ({"examples": 500}, "examples: expected 940, as the task's first difference, got 500")]]
+BAD_COMPONENTS.append((report_with(**{"finetune/t/tasks/ncbi_disease/pooled": 5}),
+                       "finetune['t'].tasks['ncbi_disease'].pooled: expected a list of arms, got int 5"))
 
 
 @pytest.mark.parametrize("report, expected", BAD_COMPONENTS, ids=[e[:50] for _, e in BAD_COMPONENTS])

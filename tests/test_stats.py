@@ -482,10 +482,41 @@ def test_compare_refuses_unpaired_arms_and_names_what_it_leaves_out(tmp_path):
         cmp.compare({"ref": {"-": ref}, "o": {"-": other}}, ev.kind_of)
 
 
+def edit_json(path, change):
+    r = json.loads(path.read_text())
+    change(r)
+    path.write_text(json.dumps(r))
+
+
+def predictions_of(path, seed="1"):
+    return path.parent / json.loads(path.read_text())["tasks"]["t"]["seeds"][seed]["predictions"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"]["seeds"]["1"].pop("dev")), "lacks a finite macro_f1 test score "
+                                                                                  "(or dev score)"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"]["baseline"].pop("dev")), "lacks a finite macro_f1 test score"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"].pop("majority")), "task 't' lacks its majority (written by an "
+                                                                        "older eval.py?)"),
+    (lambda x: edit_json(x, lambda r: r["tasks"]["t"].update(kind="regression")), "t: the results files hold it as "
+                                                                                  "tasks of different kinds"),
+    (lambda x: predictions_of(x).write_text("[1, 2]"), "t-seed1.json: no test predictions in it"),
+    (lambda x: predictions_of(x).write_text(json.dumps({"predictions": {"test": [{"gold": "a"}], "dev": [1]}})),
+     "t-seed1.json: its test predictions are not rows of a gold label and a prediction of its kind")])
+def test_table_refuses_a_results_file_it_cannot_read_in_one_line(tmp_path, change, message):
+    """A results file (or a seed's predictions) written by an older eval.py or edited by hand: one line naming the
+    file and what it lacks, never a KeyError from deep in the comparison."""
+    ref, x = arm(tmp_path, "ref", {"-": (0.6, 0.6)}, R=1)["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)}, R=1)["-"]
+    change(x[0])
+    with pytest.raises(InputError, match=re.escape(message)):
+        cmp.table([str(ref[0]), str(x[0])], ev.kind_of)
+
+
 def test_replicates_with_seeds_of_their_own_pair_replicate_by_replicate(tmp_path):
     """reproduce.py gives each replicate fine-tuning seeds of its own (1, 2; 3, 4; 5, 6) and every arm of a
     replicate the same: runs pair replicate by replicate and seed by seed, and the difference is the mean over those
-    pairs. Replicates that share different numbers of seeds across the arms are refused (no table of runs)."""
+    pairs; a seed that not every arm ran is named as left out. Replicates that share different numbers of seeds across
+    the arms are refused (no table of runs)."""
     own = lambda name, seeds_of=lambda r: (2 * r + 1, 2 * r + 2): arm(tmp_path, name, {"-": (0.7, 0.7)},
                                                                        seeds_of=seeds_of)
     arms = {"ref": own("ref"), "x": own("x")}
@@ -496,6 +527,12 @@ def test_replicates_with_seeds_of_their_own_pair_replicate_by_replicate(tmp_path
     d = t["arms"]["x"]["difference"]
     assert d["mean"] == pytest.approx(np.mean(np.array(test["x"]) - np.array(test["ref"])))
     assert (d["components"]["replicates"], d["components"]["seeds"]) == (3, 2)
+    more = own("more", lambda r: (2 * r + 1, 2 * r + 2, 99) if r == 2 else (2 * r + 1, 2 * r + 2))
+    from machinery.report import finetune_markdown
+    both = cmp.compare({"ref": arms["ref"], "more": more}, ev.kind_of)
+    t = both["tasks"]["t"]
+    assert t["seeds"][2] == ["5", "6"] and t["unpaired"] == {str(more["-"][2]): ["99"]}  # named, not dropped unsaid
+    assert f"Left out of t: seed(s) 99 of {more['-'][2]}, which not every arm ran" in finetune_markdown(both)
     short = own("short", lambda r: (2 * r + 1,) if r == 1 else (2 * r + 1, 2 * r + 2))
     with pytest.raises(InputError, match=r"^t: the replicates share 2, 1, 2 fine-tuning seeds across the arms"):
         cmp.compare({"ref": arms["ref"], "short": short}, ev.kind_of)
@@ -507,6 +544,23 @@ def test_table_reads_replicates_separated_by_commas(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith(f"| {x[0].stem} "))
     assert "| 6 |" in row and row.endswith("| better |")
     assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text
+
+
+def test_a_table_of_one_pretraining_run_says_what_its_intervals_count_and_where_settings_were_chosen(tmp_path):
+    """One pretraining run per arm: with one fine-tuning seed the interval is the test examples' alone (the runs' part
+    is 0), and the table says so rather than that it counts seeds; with several settings, a run's is chosen on the
+    arm's other seeds' dev scores, and the table says that rather than other replicates'."""
+    ref, x = (arm(tmp_path, name, {"-": (0.6, 0.6)}, R=1, seeds=(1,))["-"] for name in ("ref", "x"))
+    text = cmp.table([str(ref[0]), str(x[0])], ev.kind_of)
+    d = cmp.compare({"ref": {"-": ref}, "x": {"-": x}}, ev.kind_of)["tasks"]["t"]["arms"]["x"]["difference"]
+    assert d["sd_runs"] == 0.0 and d["df"] == float("inf")
+    assert "count the test examples only" in text and "count fine-tuning seeds" not in text
+    seeds = {"ref": arm(tmp_path, "ref2", {"1": (0.6, 0.6), "2": (0.5, 0.5)}, R=1),
+             "x": arm(tmp_path, "x2", {"1": (0.6, 0.6), "2": (0.5, 0.5)}, R=1)}
+    from machinery.report import finetune_markdown
+    text = finetune_markdown(cmp.compare(seeds, ev.kind_of))
+    assert "(chosen on the other seeds' dev)" in text and "other replicates' dev)" not in text
+    assert "count fine-tuning seeds and test examples only" in text
 
 
 def test_a_table_of_arms_fine_tuned_on_different_budgets_says_so(tmp_path):
