@@ -197,6 +197,9 @@ def check(cfg, allowed, world):
         (0 <= cfg.final_lr_frac <= 1, f"--final_lr_frac={cfg.final_lr_frac}: expected a fraction in [0, 1]"),
         (0 < cfg.decay_frac <= 1 and cfg.decay_tokens >= 0,
          f"--decay_frac={cfg.decay_frac} must be in (0, 1] and --decay_tokens={cfg.decay_tokens} >= 0"),
+        (cfg.decay_tokens <= (cfg.schedule_tokens or cfg.tokens),  # longer, wsd would start below its peak
+         f"--decay_tokens={cfg.decay_tokens}: longer than the schedule's budget of {cfg.schedule_tokens or cfg.tokens:,} "
+         f"tokens (--schedule_tokens, else --tokens); a decay lies within its schedule"),
         (finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad_clip={cfg.grad_clip}: expected >= 0 (0 disables)"),
         (0 <= cfg.dropout < 1, f"--dropout={cfg.dropout}: expected a probability in [0, 1)"),
         (0 <= cfg.seed < 2**63 and 0 <= cfg.data_seed < 2**63,

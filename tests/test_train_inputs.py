@@ -113,6 +113,8 @@ BAD_FLAGS = [
     (["--schedule=cosine"], ["--schedule='cosine'", "wsd"]),
     (["--objective=span"], ["--objective='span'", "mlm, clm"]),
     (["--schedule=wsd", "--decay_frac=0"], ["--decay_frac=0.0"]),
+    # a decay longer than its schedule: wsd would never reach its peak (here about a third of it at most)
+    (["--schedule=wsd", "--tokens=1e6", "--decay_tokens=2000000"], ["--decay_tokens=2000000", "1,000,000 tokens"]),
     (["--schedule_tokens=100", "--tokens=1e6"], ["--schedule_tokens=100"]),
     (["--keep=0"], ["--keep=0"]),
     (["--weight_decay=5"], ["--weight_decay=5.0"]),
