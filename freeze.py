@@ -24,7 +24,11 @@ def parse_layers(spec: str, n_layers: int) -> list:
     presets = {"": [], "none": [], "low": range(0, third + 1),
                "mid": range(third + 1, 2 * third + 1)}
     if spec in presets:
-        return list(presets[spec])
+        blocks = list(presets[spec])
+        if spec in ("low", "mid") and (not blocks or blocks[-1] >= n_layers):  # 1 or 2 blocks: no middle third
+            raise InputError(f"--freeze={spec}: a model of {n_layers} block(s) has no {spec} third to freeze; "
+                             f"name its blocks (0-{n_layers - 1})")
+        return blocks
     layers = set()
     for part in spec.split(","):
         lo, _, hi = part.strip().partition("-")
@@ -33,6 +37,9 @@ def parse_layers(spec: str, n_layers: int) -> list:
         except ValueError:
             raise InputError(f"--freeze={spec!r}: expected block ranges like 0-7, 8-14 or 0,2,5, "
                              f"or low / mid, and optionally embeddings") from None
+        if first > last:
+            raise InputError(f"--freeze={spec!r}: {part.strip()!r} runs backwards; expected FIRST-LAST with "
+                             f"FIRST <= LAST")
         if not 0 <= first <= last < n_layers:
             raise InputError(f"--freeze={spec!r}: {part.strip()!r} is outside the model's blocks "
                              f"0-{n_layers - 1}")

@@ -360,7 +360,7 @@ def build_model(cfg, how, state, meta, device):
         config = fresh_config(cfg, meta)
     else:
         config = ModernBERTConfig.read(os.path.join(source, "config.json"))
-    flags.check_data_fits_model(meta, config, cfg)
+    flags.check_data_fits_model(meta, config, cfg, source if state else None)
     torch.manual_seed(cfg.seed)  # the same init on every rank
     model = ModernBERT(config.replace(attention_dropout=cfg.dropout), cfg.backend, cfg.loss)
     if source is not None:

@@ -208,6 +208,9 @@ def check(cfg, allowed, world):
         (0 <= cfg.final_lr_frac <= 1, f"--final_lr_frac={cfg.final_lr_frac}: expected a fraction in [0, 1]"),
         (0 < cfg.decay_frac <= 1 and cfg.decay_tokens >= 0,
          f"--decay_frac={cfg.decay_frac} must be in (0, 1] and --decay_tokens={cfg.decay_tokens} >= 0"),
+        (cfg.decay_tokens <= (cfg.schedule_tokens or cfg.tokens),  # longer, wsd would start below its peak
+         f"--decay_tokens={cfg.decay_tokens}: longer than the schedule's budget of {cfg.schedule_tokens or cfg.tokens:,} "
+         f"tokens (--schedule_tokens, else --tokens); a decay lies within its schedule"),
         (finite(cfg.grad_clip) and cfg.grad_clip >= 0, f"--grad_clip={cfg.grad_clip}: expected >= 0 (0 disables)"),
         (0 <= cfg.dropout < 1, f"--dropout={cfg.dropout}: expected a probability in [0, 1)"),
         (0 <= cfg.seed < 2**63 and 0 <= cfg.data_seed < 2**63,
@@ -353,8 +356,10 @@ def check_state(state, cfg):
             raise InputError(f"{where}: {message}")
 
 
-def check_data_fits_model(meta, config, cfg):
-    """Data prepared with another tokenizer would train garbage: compare ids before any compute."""
+def check_data_fits_model(meta, config, cfg, ours=None):
+    """Data prepared with another tokenizer would train garbage: compare ids before any compute, and, for a run of
+    ours (`ours`: its checkpoint folder, whose tokenizer.json is the one its data was prepared with), the
+    tokenizers themselves: two learned ones of one size have the same special ids and mean other things by the rest."""
     ids = {"cls": config.cls_token_id, "sep": config.sep_token_id, "pad": config.pad_token_id,
            "mask": config.mask_token_id}
     wrong = [f"{k}: data {meta[k + '_id']} vs model {v}" for k, v in ids.items() if meta[k + "_id"] != v]
@@ -363,6 +368,14 @@ def check_data_fits_model(meta, config, cfg):
                          f"{cfg.init_from}: vocabulary {meta['vocab_size']} vs {config.vocab_size}"
                          + (f"; special ids {', '.join(wrong)}" if wrong else "")
                          + ". Prepare the data with the model's tokenizer.")
+    if ours is not None:
+        from machinery.tokenizer import load_tokenizer
+        trained = load_tokenizer(os.path.join(ours, "tokenizer.json"))
+        if trained.fingerprint != meta["tokenizer_fingerprint"]:
+            raise InputError(f"{os.path.join(cfg.data, 'meta.json')}: the data was prepared with tokenizer "
+                             f"{meta['tokenizer']} (fingerprint {meta['tokenizer_fingerprint'][:12]}), but the model of "
+                             f"--init_from={cfg.init_from} was trained with another ({os.path.join(ours, 'tokenizer.json')}"
+                             f", fingerprint {trained.fingerprint[:12]}). Prepare the data with the model's tokenizer.")
     if cfg.seq_len > config.max_position_embeddings:
         raise InputError(f"--seq_len={cfg.seq_len} is longer than the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")

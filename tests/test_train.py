@@ -185,6 +185,13 @@ def test_freeze_specs():
         freeze.parse_layers("20-23", 22)
     with pytest.raises(ValueError, match="expected block ranges"):
         freeze.parse_layers("first", 22)
+    with pytest.raises(ValueError, match="'7-0' runs backwards"):  # not "outside the model's blocks": it is not
+        freeze.parse_layers("7-0", 22)
+    assert freeze.parse_layers("21", 22) == [21] and freeze.parse_layers("0-21", 22) == list(range(22))  # the edges
+    for n in (1, 2):  # too few blocks for a middle third: refused, never a freeze of nothing (2 named block 2)
+        with pytest.raises(ValueError, match=f"--freeze=mid: a model of {n} block"):
+            freeze.parse_layers("mid", n)
+    assert freeze.parse_layers("mid", 3) == [2] and freeze.parse_layers("low", 1) == [0]
     assert freeze.parse_layers("embeddings", 22) == ["embeddings"]
     assert freeze.parse_layers("0-1,embeddings", 22) == ["embeddings", 0, 1]
 

@@ -113,6 +113,8 @@ BAD_FLAGS = [
     (["--schedule=cosine"], ["--schedule='cosine'", "wsd"]),
     (["--objective=span"], ["--objective='span'", "mlm, clm"]),
     (["--schedule=wsd", "--decay_frac=0"], ["--decay_frac=0.0"]),
+    # a decay longer than its schedule: wsd would never reach its peak (here about a third of it at most)
+    (["--schedule=wsd", "--tokens=1e6", "--decay_tokens=2000000"], ["--decay_tokens=2000000", "1,000,000 tokens"]),
     (["--schedule_tokens=100", "--tokens=1e6"], ["--schedule_tokens=100"]),
     (["--keep=0"], ["--keep=0"]),
     (["--weight_decay=5"], ["--weight_decay=5.0"]),
@@ -602,6 +604,27 @@ def test_a_setting_removed_from_config_leaves_the_runs_made_with_it_usable(run_d
         assert "label_smoothing" not in state["config"] and state["phase_step"] == 1, how
     fails(capsys, [f"--out_dir={out}", "--resume", f"--tokens={3 * STEP_TOKENS}"], "state.json: the run was saved "
           "with label_smoothing=0.1, a setting train.py's Config no longer has", "put the field back", "--init_from")
+
+
+def test_a_run_of_ours_trained_with_another_tokenizer_is_refused_on_this_data(run_dir, demo_corpus, tmp_path, capsys):
+    """A start from a run of ours (its weights alone, or a hand-off) on data of another tokenizer with the same size
+    and special ids, which the ids alone do not tell apart (here the run's with two ids swapped: its "a" is the
+    data's "b"), is one line before any weight is loaded, naming both tokenizers."""
+    def swap(checkpoint):
+        path = checkpoint / "tokenizer.json"
+        text = path.read_text()
+        vocab = json.loads(text)["model"]["vocab"]
+        a, b = f'"a": {vocab["a"]},', f'"b": {vocab["b"]},'
+        assert text.count(a) == text.count(b) == 1 and len(a) == len(b)  # the same size: the checkpoint stays whole
+        path.write_text(text.replace(a, "\0").replace(b, f'"b": {vocab["a"]},').replace("\0", f'"a": {vocab["b"]},'))
+    other = copy_run(run_dir, tmp_path, edit=swap)
+    for how, extra in (("weights", ["--weights_only"]), ("handoff", [])):
+        out = tmp_path / how
+        fails(capsys, [f"--data={demo_corpus}", f"--init_from={other}", f"--out_dir={out}", *SMALL,
+                       f"--tokens={STEP_TOKENS}", *extra],
+              f"{demo_corpus}/meta.json", f"--init_from={other} was trained with another", "tokenizer.json",
+              "Prepare the data with the model's tokenizer")
+        assert not (out / "model.safetensors").exists()
 
 
 def test_a_checkpoint_that_calls_adam_t_step_resumes_and_hands_off(run_dir, tmp_path):
