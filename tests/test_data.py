@@ -984,6 +984,26 @@ def test_step_is_the_same_set_for_any_world_size(byte_data):
                     assert torch.equal(x, reference[g][0][0]) and torch.equal(y, reference[g][1][0])
 
 
+@pytest.mark.parametrize("world_size, micro", [(2, 4), (4, 1), (4, 2)])
+def test_a_position_resumes_on_another_number_of_processes_and_micro_batch(byte_data, world_size, micro):
+    """A checkpoint of one process in micro-batches of 4 goes on, on 2 or 4 processes in other micro-batches, with
+    the steps the single process would have taken: the ranks' micro-batches, in global order, are its batches."""
+    single = loader(byte_data)  # batch 8 = 4 micro x accumulation 2
+    for _ in range(2 * 3):
+        single.next()
+        single.prefetch()
+    state = json.loads(json.dumps(single.state_dict()))
+    expected = [torch.cat(t) for t in zip(*[single.next() for _ in range(2 * 2)])]  # the next 2 steps, in order
+    ranks = [loader(byte_data, micro_batch_size=micro, rank=r, world_size=world_size) for r in range(world_size)]
+    for ld in ranks:
+        ld.load_state_dict(state)
+    accum = ranks[0].accum
+    got = [[ld.next() for _ in range(2 * accum)] for ld in ranks]  # got[rank][micro-step]
+    in_order = [got[r][k] for k in range(2 * accum) for r in range(world_size)]  # global order: micro-step, rank
+    assert all(torch.equal(u, v) for u, v in zip(expected, (torch.cat(t) for t in zip(*in_order))))
+    assert [ld.state_dict()["sequence"] for ld in ranks] == [state["sequence"] + 2 * 8] * world_size
+
+
 def test_mlm_twin_sees_the_same_windows(byte_data):
     clm, mlm_a, mlm_b = (loader(byte_data, **kw) for kw in ({"objective": "clm"}, {"mask_seed": 17}, {"mask_seed": 18}))
     for _ in range(4):
