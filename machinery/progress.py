@@ -83,6 +83,10 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
     print(f"{where}; carries over: {', '.join(kept) or 'nothing'}"
           + (f"; fresh: {', '.join(fresh)}" if kept and fresh else ""))
     saved = state["config"] if state else {}
+    if how == "resume" and not carries.rng and not saved.get("micro_batch_size"):  # on another number of processes
+        print(f"note: --micro_batch_size=0 gives each of the {len(state['rng'])} processes before a micro-batch of "
+              f"another size than now: a step's gradient, the mean of its micro-batches' mean losses, weighs the "
+              f"masked tokens otherwise (the same sequences, close to the run it was, not bit for bit)")
     now = code_version() if how == "resume" else {}  # resume promises bit for bit: with this code and packages
     if now and state["code"].get("sha256") != now["sha256"]:
         print(f"warning: the code changed since {cfg.out_dir}'s checkpoint was written (a script or a module of "

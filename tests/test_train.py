@@ -291,8 +291,9 @@ def test_exact_resume_is_bit_identical(dropout, corpus, tmp_path):
 def test_a_resume_on_another_number_of_processes_says_its_dropout_streams_start_again(corpus, tmp_path, capsys):
     """Each process's RNG streams are saved: a resume on another number of processes starts them again from the
     seed, and its start line lists them as fresh, not as carried over (a checkpoint of two processes stood in for
-    by a copy of one process's streams)."""
-    flags = ["--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--dropout=0.1"]
+    by a copy of one process's streams); where the micro-batch follows the number of processes, it says that the
+    tokens' weights in a step change too."""
+    flags = ["--phase=mlm", f"--tokens={4 * STEP_TOKENS}", "--dropout=0.1", "--micro_batch_size=0"]
     run(corpus, tmp_path / "run", *flags, "--max_steps=2")
     state_file = latest(tmp_path / "run")["dir"] + "/state.json"
     state = json.loads(open(state_file).read())
@@ -300,9 +301,12 @@ def test_a_resume_on_another_number_of_processes_says_its_dropout_streams_start_
     open(state_file, "w").write(json.dumps(state))
     capsys.readouterr()
     train.main([f"--out_dir={tmp_path / 'run'}", "--resume"])
-    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resume "))
+    printed = capsys.readouterr().out
+    start = next(line for line in printed.splitlines() if line.startswith("resume "))
     carried, fresh = start.split("; fresh: ")
     assert "RNG streams" in fresh and "RNG streams" not in carried and "data position" in carried, start
+    # --micro_batch_size=0 (this recipe's): the micro-batches change size, and with them each token's weight
+    assert "note: --micro_batch_size=0 gives each of the 2 processes before a micro-batch of another size" in printed
 
 
 def test_a_resume_with_changed_code_says_it_is_not_bit_for_bit(corpus, tmp_path, monkeypatch, capsys):
