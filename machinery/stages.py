@@ -107,8 +107,8 @@ def outputs(stage):
 
 
 def output_digests(stage, out):
-    """{path (OUT/... inside the experiment): digest, or None where the stage wrote nothing}, read now (never from
-    the cache: the stage has just written them)."""
+    """{path (OUT/... inside the experiment): digest, or None where the stage wrote nothing (then it is not
+    finished)}, read now (never from the cache: the stage has just written them)."""
     return {in_out(path, out): digest(path) if path.exists() else None for path in outputs(stage)}
 
 
@@ -176,16 +176,21 @@ def check_finished(out, plan):
     changed = []
     for name, entry in plan["stages"].items():
         record = stage_record(out, name, entry["fingerprint"])
-        for path, wrote in (record.get("outputs") or {}).items() if record.get("finished") else ():
+        wrote_all = (record.get("outputs") or {}) if record.get("finished") else {}
+        for path, wrote in wrote_all.items():
             real = out / path[4:] if path.startswith("OUT/") else Path(path)
             now = digest(real) if real.exists() else None
             if now != wrote:
-                changed.append((name, real, "is gone" if now is None else "is not what the stage wrote"))
+                changed.append((name, real, "is gone" if now is None else "is not what the stage wrote",
+                                sorted(Path(p).name for p in wrote_all) == sorted(RUN_OUTPUTS)))
     if changed:
-        name, real, how = changed[0]
+        name, real, how, training = changed[0]
         more = f" (and {len(changed) - 1} more output(s) of finished stages)" if len(changed) > 1 else ""
+        # a training's run directory keeps its checkpoints: run again, it would continue its run from the end
+        # and write nothing, so the whole directory goes
+        away = (f"Move its run directory {real.parent} away" if training else "Move it away")
         raise InputError(f"stage {name} finished, but {real} {how}: another command wrote there since{more}, and its "
-                         f"numbers are not this experiment's. Move it away and delete {out / 'stages' / name}.json to "
+                         f"numbers are not this experiment's. {away} and delete {out / 'stages' / name}.json to "
                          f"run the stage again, or choose a new --out")
 
 
@@ -319,10 +324,17 @@ def run(stages, out, plan, jobs, cores):
                     print(f"[failed] {name} (exit {proc.returncode}); the end of {out / 'logs' / (name + '.log')}:"
                           f"\n  " + "\n  ".join(tail), flush=True)
                     continue
-                t1 = time.time()
+                t1, wrote = time.time(), output_digests(stage, out)
+                lacks = [path for path, d in wrote.items() if d is None]
+                if lacks:  # never recorded as finished: a rerun would skip it, its output still missing
+                    failed.append(name)
+                    print(f"[failed] {name}: it ended without writing {', '.join(lacks)}" + (
+                        f" (a run that had ended is continued and writes nothing: move {stage.run_dir} away to train "
+                        f"it again)" if stage.run_dir else ""), flush=True)
+                    continue
                 write_json(out / "stages" / f"{name}.json", dict(
                     stage_record(out, name, fps[name]), finished=True, seconds=round(t1 - t0, 3), start=t0, end=t1,
-                    outputs=output_digests(stage, out)))
+                    outputs=wrote))
                 done.add(name)
                 print(f"[done]   {name} ({t1 - t0:.1f} s)", flush=True)
     finally:

@@ -824,8 +824,29 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
         name = "cka" if path.name == "cka.json" else "mlm-r1"
         assert str(refusal.value).startswith(f"stage {name} finished, but {path} {how}: another command wrote there")
         assert f"delete {out / 'stages' / name}.json to run the stage again" in str(refusal.value)
+        # a training's file alone moved away, its run would be continued from its end and write nothing
+        assert (f"Move its run directory {run_dir} away and" in str(refusal.value)) == (name == "mlm-r1")
         path.write_bytes(kept)
     stages.check_out(out, plan)  # as the stages wrote them again
+
+
+def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
+    """A stage that exits 0 with an output missing (a training continued from its end writes nothing: its weights,
+    moved away by hand, stay gone) fails with a line naming the file, and is never recorded as finished, which a
+    rerun would skip with the output still missing."""
+    from machinery import stages
+    out = tmp_path / "exp"
+    run_dir = out / "runs" / "mlm-r1"
+    plan_of = [stages.Stage("mlm-r1", [sys.executable, "-c", "pass", "--out_dir", run_dir], run_dir=str(run_dir),
+                            threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit) as failure:
+        stages.run(plan_of, out, plan, 1, 1)
+    assert failure.value.code == 1
+    assert f"[failed] mlm-r1: it ended without writing OUT/runs/mlm-r1/run.json, " in capsys.readouterr().out
+    assert json.loads((out / "stages" / "mlm-r1.json").read_text())["finished"] is False
 
 
 def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
