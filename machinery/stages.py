@@ -3,7 +3,7 @@ one command, and the runner that runs stages side by side, resumes an interrupte
 stage on a signal or with its driver. reproduce.py says which stages a study has; a reader of the studies may
 skip this file.
 
-OUT/plan.json holds each stage's fingerprint; OUT/stages/NAME.json records a stage (fingerprint, threads;
+OUT/plan.json holds each stage's fingerprint and threads; OUT/stages/NAME.json records a stage (fingerprint, threads;
 `finished` with its times and the digests of what it wrote once it ends); OUT/logs/NAME.log holds its output."""
 import functools
 import hashlib
@@ -288,10 +288,28 @@ def end(running, stop):
         log.close()
 
 
+def plan_threads(out, stages, jobs, cores):
+    """Each stage's --threads, fixed in OUT/plan.json by the first invocation that runs the plan (cores / jobs; a
+    solo stage every core): a CPU run's numbers change with its thread count, so a rerun with another --jobs, or on
+    a machine with other cores, computes what the first invocation would have; --jobs then changes only how many
+    stages run at once."""
+    path = out / "plan.json"
+    saved = check_plan(read_json(path, "the plan of a reproduce.py experiment"), path) if path.exists() else {}
+    if "threads" not in saved:  # a new plan (or one written before plans kept them): fixed now
+        saved["threads"] = {s.name: cores if s.solo else max(1, cores // jobs) for s in stages}
+        if path.exists():
+            write_json(path, saved)
+    elif any(saved["threads"].get(s.name) != (cores if s.solo else max(1, cores // jobs)) for s in stages):
+        print(f"reproduce: each stage takes the threads its plan fixed at its first invocation (a CPU run's numbers "
+              f"change with them), not {max(1, cores // jobs)} of --jobs={jobs} on {cores} cores", flush=True)
+    return saved["threads"]
+
+
 def run(stages, out, plan, jobs, cores):
     """Run what is not finished, up to `jobs` at once, until all are done, one fails or a signal comes."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "stages").mkdir(exist_ok=True)
+    fixed = plan_threads(out, stages, jobs, cores)
     fps = {n: e["fingerprint"] for n, e in plan["stages"].items()}
     planned = json.dumps(dict(code=plan["code"], versions=plan["versions"]))  # each stage refuses other code
     done = {s.name for s in stages if stage_record(out, s.name, fps[s.name]).get("finished")}
@@ -307,7 +325,7 @@ def run(stages, out, plan, jobs, cores):
             for stage in ready[:max(0, jobs - len(running))] if not (failed or stop) else []:
                 # fixed per stage (kept by a resume), so that a rerun computes the same numbers
                 threads = stage_record(out, stage.name, fps[stage.name]).get("threads") or \
-                    (cores if stage.solo else max(1, cores // jobs))
+                    fixed.get(stage.name) or (cores if stage.solo else max(1, cores // jobs))
                 running[stage.name] = launch(stage, out, fps[stage.name], threads, planned)
             time.sleep(0.05)
             if stop:

@@ -552,7 +552,8 @@ def test_a_plan_or_stage_record_not_as_written_is_one_line(tmp_path):
     for written, expected in [
             ({**plan, "stages": {"cka": "x"}}, "plan.json: stages['cka']: expected an object, got str 'x'"),
             ({**plan, "stages": {"cka": {"fingerprint": 3}}}, "plan.json: stages['cka'].fingerprint: expected a str"),
-            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None")]:
+            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None"),
+            ({**plan, "threads": {"cka": 0}}, "plan.json: threads: expected an object of stages' thread counts")]:
         (out / "plan.json").write_text(json.dumps(written))
         with pytest.raises(InputError) as refusal:
             stages.check_out(out, plan)
@@ -828,6 +829,31 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
         assert (f"Move its run directory {run_dir} away and" in str(refusal.value)) == (name == "mlm-r1")
         path.write_bytes(kept)
     stages.check_out(out, plan)  # as the stages wrote them again
+
+
+SAYS = ("import sys, pathlib\n"  # writes its last argument (--threads=N) to --out; with a marker, fails until it exists
+        "a = sys.argv[1:]\n"
+        "if len(a) > 2 and not pathlib.Path(a[1]).exists():\n"
+        "    sys.exit(1)\n"
+        "pathlib.Path(a[0].split('=', 1)[1]).write_text(a[-1])\n")
+
+
+def test_a_rerun_with_another_jobs_keeps_every_stages_threads(tmp_path, capsys):
+    """A CPU run's numbers change with its thread count, which --jobs sets: a stage that first starts in a rerun with
+    another --jobs (or on a machine with other cores) takes the threads the plan's first invocation fixed."""
+    from machinery import stages
+    out, marker = tmp_path / "exp", tmp_path / "fixed"
+    plan_of = [stages.Stage("fails", [sys.executable, "-c", SAYS, f"--out={out / 'fails.txt'}", marker]),
+               stages.Stage("after", [sys.executable, "-c", SAYS, f"--out={out / 'after.txt'}"], ["fails"])]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit):  # interrupted before `after` starts: --jobs=1 on 2 cores, 2 threads each
+        stages.run(plan_of, out, plan, 1, 2)
+    marker.touch()
+    stages.run(plan_of, out, plan, 2, 2)  # the same command with --jobs=2 would give each stage 1 thread
+    assert (out / "fails.txt").read_text() == (out / "after.txt").read_text() == "--threads=2"
+    assert "each stage takes the threads its plan fixed at its first invocation" in capsys.readouterr().out
 
 
 def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
