@@ -911,6 +911,10 @@ def test_docs_state_the_sums_the_dry_run_prints(capsys):
         design = {"0.3", "0.8", "2.7", "61.6", "58.9", "2.8", "2", "1", "3", "5", "4", "200", "4.5", "29.0", "6.4",
                   "20.9", "5.3", "8.1", "2.5", "3.1", "9.0", "16.6", "10.0", "13.3"}
         assert not [x for x in stated if x not in printed and x not in design], paragraph
+        below = re.findall(r"(\w+)'s replicate variance was estimated below 0 \((-[\d.]+) points", paragraph)
+        assert len(below) == paragraph.count("replicate variance"), paragraph  # each names its task
+        for task, value in below:  # the task's own block of the dry run prints it
+            assert f"({value} points^2" in re.search(rf"\n  {task}: .*?(?=\n  \S|\Z)", out, re.S).group(), task
         if "--scale=paper" in args:  # the detour's total, as the section before states it
             assert "the trainings: ~200 H100 GPU-hours" in out
             assert "about 200 GPU-hours (its seed controls included)" in text
