@@ -58,7 +58,8 @@ from machinery.cli import (InputError, Parser, positive_float, positive_int, rea
                            write_json, write_text)
 from machinery.hf import hub_id_problem
 from machinery.planfiles import read_components  # a report's variance components, checked field by field
-from machinery.stages import Stage, check_out, check_unchanged, fingerprint, run, shown, stage_record
+from machinery.stages import (Stage, check_out, check_unchanged, check_writable, fingerprint, run, shown,
+                              stage_record)
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared" / "data"  # this project's machines keep the data beside a checkout (never copied in)
@@ -900,6 +901,8 @@ def dry_run(a, s, out, plan_of, missing):
         plan = fingerprint(stages, out, a.study, a.scale)
         check_out(out, plan)
         finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
+    else:  # no plan to check OUT against (its fingerprints read the data), but the run will write there
+        check_writable(out)
     unit, hours, how = costs(a, s, stages)
     for st in stages:
         cost = f"   (~{amount(hours[st.name])} {unit})" if st.name in hours else ""

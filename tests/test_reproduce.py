@@ -682,6 +682,10 @@ def test_without_the_data_a_run_says_where_they_come_from_and_a_dry_run_goes_on(
     assert "python data.py fetch" in lines[-2]
     assert lines[-1] == (f"56 stages; not checked: the 5 missing input(s) above, and {out} against the plan (its "
                          f"fingerprints read them); nothing was run (--dry_run)")
+    (tmp_path / "file").write_text("x")  # but OUT is checked as the run would meet it
+    status, text, err = in_process(capsys, "--scale=cpu", f"--out={tmp_path / 'file' / 'exp'}", f"--data={empty}",
+                                   "--dry_run")
+    assert status == 2 and err.startswith(f"error: --out={tmp_path / 'file' / 'exp'}: cannot write there"), err
 
 
 def test_detect_answers_with_their_cost(tmp_path, capsys):
