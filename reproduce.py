@@ -381,9 +381,13 @@ def costs(a, s, stages, seeds=None):
     (measured_hours), nothing at another. seeds: that many fine-tuning seeds instead of the scale's (a fine-tuning
     stage trains each seed in turn)."""
     if a.scale == "paper":
-        return "H100 GPU-hours", gpu_hours(stages, s, a.start or s.get("start")), (
+        from train import RECIPES, Config
+        start, preset = a.start or s.get("start"), {**vars(Config()), **RECIPES[s["recipe"]]}["preset"]
+        guessed = start not in (None, s.get("start")) and not (Path(start) / "config.json").is_file()
+        return "H100 GPU-hours", gpu_hours(stages, s, start), (
             f"an estimate: model FLOPs at {MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning "
-            f"and CKA not counted")
+            f"and CKA not counted" + (f"; the model sized as the recipe's {preset}: --start={start} is a hub id "
+                                      f"whose config.json is not here" if guessed else ""))
     source = HERE / "docs" / f"{a.study}-{a.scale}" / "report.json"
     if not source.is_file():
         return None, {}, ""

@@ -460,6 +460,21 @@ def read_only(tmp):
     return tmp / "ro"
 
 
+def test_the_gpu_hours_say_when_they_guess_the_models_size(tmp_path, capsys):
+    """The paper's estimate counts the start model's FLOPs: a hub id's config.json is not here (no network), so it
+    takes the recipe's architecture (base), and says so for any start but the scale's own, ModernBERT-base."""
+    need(CORPUS)
+    said = {}
+    for start in ([], ["--start=answerdotai/ModernBERT-large"]):
+        status, text, err = in_process(capsys, "--scale=paper", f"--out={tmp_path / 'exp'}", "--gpus=4", "--dry_run",
+                                       *start)
+        assert status == 0, err
+        said[bool(start)] = next(line for line in text.splitlines() if line.startswith("the trainings: ~"))
+    assert "sized" not in said[False] and said[True].endswith("; the model sized as the recipe's base: "
+                                                              "--start=answerdotai/ModernBERT-large is a hub id whose "
+                                                              "config.json is not here)")
+
+
 def test_a_dry_run_checks_the_gpus_as_the_run_does(tmp_path, capsys, monkeypatch):
     import reproduce
     monkeypatch.setattr(reproduce, "gpu_count", lambda: 2)
