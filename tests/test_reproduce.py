@@ -890,7 +890,7 @@ def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path,
     with pytest.raises(SystemExit) as failure:
         stages.run(plan_of, out, plan, 1, 1)
     assert failure.value.code == 1
-    assert f"[failed] mlm-r1: it ended without writing OUT/runs/mlm-r1/run.json, " in capsys.readouterr().out
+    assert "[failed] mlm-r1: it ended without writing OUT/runs/mlm-r1/run.json, " in capsys.readouterr().out
     assert json.loads((out / "stages" / "mlm-r1.json").read_text())["finished"] is False
 
 
