@@ -58,7 +58,8 @@ from machinery.cli import (InputError, Parser, positive_float, positive_int, rea
                            write_json, write_text)
 from machinery.hf import hub_id_problem
 from machinery.planfiles import read_components  # a report's variance components, checked field by field
-from machinery.stages import Stage, check_out, check_unchanged, fingerprint, run, shown, stage_record
+from machinery.stages import (Stage, check_out, check_unchanged, check_writable, fingerprint, run, shown,
+                              stage_record)
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared" / "data"  # this project's machines keep the data beside a checkout (never copied in)
@@ -380,9 +381,13 @@ def costs(a, s, stages, seeds=None):
     (measured_hours), nothing at another. seeds: that many fine-tuning seeds instead of the scale's (a fine-tuning
     stage trains each seed in turn)."""
     if a.scale == "paper":
-        return "H100 GPU-hours", gpu_hours(stages, s, a.start or s.get("start")), (
+        from train import RECIPES, Config
+        start, preset = a.start or s.get("start"), {**vars(Config()), **RECIPES[s["recipe"]]}["preset"]
+        guessed = start not in (None, s.get("start")) and not (Path(start) / "config.json").is_file()
+        return "H100 GPU-hours", gpu_hours(stages, s, start), (
             f"an estimate: model FLOPs at {MFU:.0%} of the H100's bf16 peak, the paper's measured rate; fine-tuning "
-            f"and CKA not counted")
+            f"and CKA not counted" + (f"; the model sized as the recipe's {preset}: --start={start} is a hub id "
+                                      f"whose config.json is not here" if guessed else ""))
     source = HERE / "docs" / f"{a.study}-{a.scale}" / "report.json"
     if not source.is_file():
         return None, {}, ""
@@ -900,6 +905,8 @@ def dry_run(a, s, out, plan_of, missing):
         plan = fingerprint(stages, out, a.study, a.scale)
         check_out(out, plan)
         finished = {n for n in plan["stages"] if stage_record(out, n, plan["stages"][n]["fingerprint"]).get("finished")}
+    else:  # no plan to check OUT against (its fingerprints read the data), but the run will write there
+        check_writable(out)
     unit, hours, how = costs(a, s, stages)
     for st in stages:
         cost = f"   (~{amount(hours[st.name])} {unit})" if st.name in hours else ""

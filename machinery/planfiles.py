@@ -171,14 +171,16 @@ RECORD = {"fingerprint": (lambda v: isinstance(v, str), "a string"),
 
 
 def check_plan(plan, path):
-    """OUT/plan.json: an object with a string fingerprint and an object of stages, each as PLAN_ENTRY says.
-    Returns it."""
+    """OUT/plan.json: an object with a string fingerprint and an object of stages, each as PLAN_ENTRY says (and the
+    stages' threads, where they were fixed). Returns it."""
     def fail(field, message):
         raise InputError(f"{path}: {field}: {message}; not a plan of reproduce.py: choose a new --out")
     if not isinstance(plan, dict) or not isinstance(plan.get("stages"), dict):
         fail("stages", "expected an object")
     if not isinstance(plan.get("fingerprint"), str):
         fail("fingerprint", f"expected a string, got {shown(plan.get('fingerprint'))}")
+    if "threads" in plan and not (isinstance(plan["threads"], dict) and all(map(is_count, plan["threads"].values()))):
+        fail("threads", f"expected an object of stages' thread counts (integers >= 1), got {shown(plan['threads'])}")
     for name, entry in plan["stages"].items():
         if not isinstance(entry, dict):
             fail(f"stages[{name!r}]", f"expected an object, got {shown(entry)}")

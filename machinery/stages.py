@@ -3,7 +3,7 @@ one command, and the runner that runs stages side by side, resumes an interrupte
 stage on a signal or with its driver. reproduce.py says which stages a study has; a reader of the studies may
 skip this file.
 
-OUT/plan.json holds each stage's fingerprint; OUT/stages/NAME.json records a stage (fingerprint, threads;
+OUT/plan.json holds each stage's fingerprint and threads; OUT/stages/NAME.json records a stage (fingerprint, threads;
 `finished` with its times and the digests of what it wrote once it ends); OUT/logs/NAME.log holds its output."""
 import functools
 import hashlib
@@ -107,8 +107,8 @@ def outputs(stage):
 
 
 def output_digests(stage, out):
-    """{path (OUT/... inside the experiment): digest, or None where the stage wrote nothing}, read now (never from
-    the cache: the stage has just written them)."""
+    """{path (OUT/... inside the experiment): digest, or None where the stage wrote nothing (then it is not
+    finished)}, read now (never from the cache: the stage has just written them)."""
     return {in_out(path, out): digest(path) if path.exists() else None for path in outputs(stage)}
 
 
@@ -176,16 +176,21 @@ def check_finished(out, plan):
     changed = []
     for name, entry in plan["stages"].items():
         record = stage_record(out, name, entry["fingerprint"])
-        for path, wrote in (record.get("outputs") or {}).items() if record.get("finished") else ():
+        wrote_all = (record.get("outputs") or {}) if record.get("finished") else {}
+        for path, wrote in wrote_all.items():
             real = out / path[4:] if path.startswith("OUT/") else Path(path)
             now = digest(real) if real.exists() else None
             if now != wrote:
-                changed.append((name, real, "is gone" if now is None else "is not what the stage wrote"))
+                changed.append((name, real, "is gone" if now is None else "is not what the stage wrote",
+                                sorted(Path(p).name for p in wrote_all) == sorted(RUN_OUTPUTS)))
     if changed:
-        name, real, how = changed[0]
+        name, real, how, training = changed[0]
         more = f" (and {len(changed) - 1} more output(s) of finished stages)" if len(changed) > 1 else ""
+        # a training's run directory keeps its checkpoints: run again, it would continue its run from the end
+        # and write nothing, so the whole directory goes
+        away = (f"Move its run directory {real.parent} away" if training else "Move it away")
         raise InputError(f"stage {name} finished, but {real} {how}: another command wrote there since{more}, and its "
-                         f"numbers are not this experiment's. Move it away and delete {out / 'stages' / name}.json to "
+                         f"numbers are not this experiment's. {away} and delete {out / 'stages' / name}.json to "
                          f"run the stage again, or choose a new --out")
 
 
@@ -283,10 +288,28 @@ def end(running, stop):
         log.close()
 
 
+def plan_threads(out, stages, jobs, cores):
+    """Each stage's --threads, fixed in OUT/plan.json by the first invocation that runs the plan (cores / jobs; a
+    solo stage every core): a CPU run's numbers change with its thread count, so a rerun with another --jobs, or on
+    a machine with other cores, computes what the first invocation would have; --jobs then changes only how many
+    stages run at once."""
+    path = out / "plan.json"
+    saved = check_plan(read_json(path, "the plan of a reproduce.py experiment"), path) if path.exists() else {}
+    if "threads" not in saved:  # a new plan (or one written before plans kept them): fixed now
+        saved["threads"] = {s.name: cores if s.solo else max(1, cores // jobs) for s in stages}
+        if path.exists():
+            write_json(path, saved)
+    elif any(saved["threads"].get(s.name) != (cores if s.solo else max(1, cores // jobs)) for s in stages):
+        print(f"reproduce: each stage takes the threads its plan fixed at its first invocation (a CPU run's numbers "
+              f"change with them), not {max(1, cores // jobs)} of --jobs={jobs} on {cores} cores", flush=True)
+    return saved["threads"]
+
+
 def run(stages, out, plan, jobs, cores):
     """Run what is not finished, up to `jobs` at once, until all are done, one fails or a signal comes."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "stages").mkdir(exist_ok=True)
+    fixed = plan_threads(out, stages, jobs, cores)
     fps = {n: e["fingerprint"] for n, e in plan["stages"].items()}
     planned = json.dumps(dict(code=plan["code"], versions=plan["versions"]))  # each stage refuses other code
     done = {s.name for s in stages if stage_record(out, s.name, fps[s.name]).get("finished")}
@@ -302,7 +325,7 @@ def run(stages, out, plan, jobs, cores):
             for stage in ready[:max(0, jobs - len(running))] if not (failed or stop) else []:
                 # fixed per stage (kept by a resume), so that a rerun computes the same numbers
                 threads = stage_record(out, stage.name, fps[stage.name]).get("threads") or \
-                    (cores if stage.solo else max(1, cores // jobs))
+                    fixed.get(stage.name) or (cores if stage.solo else max(1, cores // jobs))
                 running[stage.name] = launch(stage, out, fps[stage.name], threads, planned)
             time.sleep(0.05)
             if stop:
@@ -319,10 +342,17 @@ def run(stages, out, plan, jobs, cores):
                     print(f"[failed] {name} (exit {proc.returncode}); the end of {out / 'logs' / (name + '.log')}:"
                           f"\n  " + "\n  ".join(tail), flush=True)
                     continue
-                t1 = time.time()
+                t1, wrote = time.time(), output_digests(stage, out)
+                lacks = [path for path, d in wrote.items() if d is None]
+                if lacks:  # never recorded as finished: a rerun would skip it, its output still missing
+                    failed.append(name)
+                    print(f"[failed] {name}: it ended without writing {', '.join(lacks)}" + (
+                        f" (a run that had ended is continued and writes nothing: move {stage.run_dir} away to train "
+                        f"it again)" if stage.run_dir else ""), flush=True)
+                    continue
                 write_json(out / "stages" / f"{name}.json", dict(
                     stage_record(out, name, fps[name]), finished=True, seconds=round(t1 - t0, 3), start=t0, end=t1,
-                    outputs=output_digests(stage, out)))
+                    outputs=wrote))
                 done.add(name)
                 print(f"[done]   {name} ({t1 - t0:.1f} s)", flush=True)
     finally:

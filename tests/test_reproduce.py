@@ -460,6 +460,21 @@ def read_only(tmp):
     return tmp / "ro"
 
 
+def test_the_gpu_hours_say_when_they_guess_the_models_size(tmp_path, capsys):
+    """The paper's estimate counts the start model's FLOPs: a hub id's config.json is not here (no network), so it
+    takes the recipe's architecture (base), and says so for any start but the scale's own, ModernBERT-base."""
+    need(CORPUS)
+    said = {}
+    for start in ([], ["--start=answerdotai/ModernBERT-large"]):
+        status, text, err = in_process(capsys, "--scale=paper", f"--out={tmp_path / 'exp'}", "--gpus=4", "--dry_run",
+                                       *start)
+        assert status == 0, err
+        said[bool(start)] = next(line for line in text.splitlines() if line.startswith("the trainings: ~"))
+    assert "sized" not in said[False] and said[True].endswith("; the model sized as the recipe's base: "
+                                                              "--start=answerdotai/ModernBERT-large is a hub id whose "
+                                                              "config.json is not here)")
+
+
 def test_a_dry_run_checks_the_gpus_as_the_run_does(tmp_path, capsys, monkeypatch):
     import reproduce
     monkeypatch.setattr(reproduce, "gpu_count", lambda: 2)
@@ -552,7 +567,8 @@ def test_a_plan_or_stage_record_not_as_written_is_one_line(tmp_path):
     for written, expected in [
             ({**plan, "stages": {"cka": "x"}}, "plan.json: stages['cka']: expected an object, got str 'x'"),
             ({**plan, "stages": {"cka": {"fingerprint": 3}}}, "plan.json: stages['cka'].fingerprint: expected a str"),
-            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None")]:
+            ({**plan, "fingerprint": None}, "plan.json: fingerprint: expected a string, got NoneType None"),
+            ({**plan, "threads": {"cka": 0}}, "plan.json: threads: expected an object of stages' thread counts")]:
         (out / "plan.json").write_text(json.dumps(written))
         with pytest.raises(InputError) as refusal:
             stages.check_out(out, plan)
@@ -681,6 +697,10 @@ def test_without_the_data_a_run_says_where_they_come_from_and_a_dry_run_goes_on(
     assert "python data.py fetch" in lines[-2]
     assert lines[-1] == (f"56 stages; not checked: the 5 missing input(s) above, and {out} against the plan (its "
                          f"fingerprints read them); nothing was run (--dry_run)")
+    (tmp_path / "file").write_text("x")  # but OUT is checked as the run would meet it
+    status, text, err = in_process(capsys, "--scale=cpu", f"--out={tmp_path / 'file' / 'exp'}", f"--data={empty}",
+                                   "--dry_run")
+    assert status == 2 and err.startswith(f"error: --out={tmp_path / 'file' / 'exp'}: cannot write there"), err
 
 
 def test_detect_answers_with_their_cost(tmp_path, capsys):
@@ -824,8 +844,54 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
         name = "cka" if path.name == "cka.json" else "mlm-r1"
         assert str(refusal.value).startswith(f"stage {name} finished, but {path} {how}: another command wrote there")
         assert f"delete {out / 'stages' / name}.json to run the stage again" in str(refusal.value)
+        # a training's file alone moved away, its run would be continued from its end and write nothing
+        assert (f"Move its run directory {run_dir} away and" in str(refusal.value)) == (name == "mlm-r1")
         path.write_bytes(kept)
     stages.check_out(out, plan)  # as the stages wrote them again
+
+
+SAYS = ("import sys, pathlib\n"  # writes its last argument (--threads=N) to --out; with a marker, fails until it exists
+        "a = sys.argv[1:]\n"
+        "if len(a) > 2 and not pathlib.Path(a[1]).exists():\n"
+        "    sys.exit(1)\n"
+        "pathlib.Path(a[0].split('=', 1)[1]).write_text(a[-1])\n")
+
+
+def test_a_rerun_with_another_jobs_keeps_every_stages_threads(tmp_path, capsys):
+    """A CPU run's numbers change with its thread count, which --jobs sets: a stage that first starts in a rerun with
+    another --jobs (or on a machine with other cores) takes the threads the plan's first invocation fixed."""
+    from machinery import stages
+    out, marker = tmp_path / "exp", tmp_path / "fixed"
+    plan_of = [stages.Stage("fails", [sys.executable, "-c", SAYS, f"--out={out / 'fails.txt'}", marker]),
+               stages.Stage("after", [sys.executable, "-c", SAYS, f"--out={out / 'after.txt'}"], ["fails"])]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit):  # interrupted before `after` starts: --jobs=1 on 2 cores, 2 threads each
+        stages.run(plan_of, out, plan, 1, 2)
+    marker.touch()
+    stages.run(plan_of, out, plan, 2, 2)  # the same command with --jobs=2 would give each stage 1 thread
+    assert (out / "fails.txt").read_text() == (out / "after.txt").read_text() == "--threads=2"
+    assert "each stage takes the threads its plan fixed at its first invocation" in capsys.readouterr().out
+
+
+def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
+    """A stage that exits 0 with an output missing (a training continued from its end writes nothing: its weights,
+    moved away by hand, stay gone) fails with a line naming the file, and is never recorded as finished, which a
+    rerun would skip with the output still missing."""
+    from machinery import stages
+    out = tmp_path / "exp"
+    run_dir = out / "runs" / "mlm-r1"
+    plan_of = [stages.Stage("mlm-r1", [sys.executable, "-c", "pass", "--out_dir", run_dir], run_dir=str(run_dir),
+                            threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit) as failure:
+        stages.run(plan_of, out, plan, 1, 1)
+    assert failure.value.code == 1
+    assert "[failed] mlm-r1: it ended without writing OUT/runs/mlm-r1/run.json, " in capsys.readouterr().out
+    assert json.loads((out / "stages" / "mlm-r1.json").read_text())["finished"] is False
 
 
 def test_the_report_draws_each_step_at_the_learning_rate_it_trained_at():
@@ -864,6 +930,10 @@ def test_docs_state_the_sums_the_dry_run_prints(capsys):
         design = {"0.3", "0.8", "2.7", "61.6", "58.9", "2.8", "2", "1", "3", "5", "4", "200", "4.5", "29.0", "6.4",
                   "20.9", "5.3", "8.1", "2.5", "3.1", "9.0", "16.6", "10.0", "13.3"}
         assert not [x for x in stated if x not in printed and x not in design], paragraph
+        below = re.findall(r"(\w+)'s replicate variance was estimated below 0 \((-[\d.]+) points", paragraph)
+        assert len(below) == paragraph.count("replicate variance"), paragraph  # each names its task
+        for task, value in below:  # the task's own block of the dry run prints it
+            assert f"({value} points^2" in re.search(rf"\n  {task}: .*?(?=\n  \S|\Z)", out, re.S).group(), task
         if "--scale=paper" in args:  # the detour's total, as the section before states it
             assert "the trainings: ~200 H100 GPU-hours" in out
             assert "about 200 GPU-hours (its seed controls included)" in text
