@@ -175,6 +175,30 @@ def test_loads_old_config_spelling_and_file_with_decoder_weight(tmp_path):
         assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
 
 
+def test_a_transformers_checkpoint_takes_its_mask_id_from_the_tokenizer_beside_it(tmp_path):
+    """transformers writes no mask_token_id to config.json: the [MASK] id is the tokenizer's saved with the weights,
+    so that the data and the eval tokenizer of that tokenizer fit the model (ModernBERT's 50284, the default, refused
+    them, and lies outside this vocabulary of 320). A config.json that names a mask id keeps it."""
+    from machinery import models
+    from machinery.tokenizer import load_tokenizer
+    tok = load_tokenizer("bytes")
+    ids = dict(pad_token_id=tok.pad_id, cls_token_id=tok.cls_id, sep_token_id=tok.sep_id)
+    hf = transformers.ModernBertConfig(vocab_size=320, bos_token_id=tok.cls_id, eos_token_id=tok.sep_id, **ids,
+                                       **SHAPES[0])
+    transformers.ModernBertForMaskedLM(hf).save_pretrained(tmp_path)
+    assert "mask_token_id" not in json.loads((tmp_path / "config.json").read_text())
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 50284  # no tokenizer.json: the default
+    tok.save_pretrained(tmp_path)
+    info = models.inspect_model(str(tmp_path), ModernBERT)
+    assert info["config"].mask_token_id == tok.mask_id == 259
+    assert models.model_tokenizer(info).mask_id == 259  # was: "does not fit the model (ids (256, 257, 258, 50284)"
+    ModernBERT.from_pretrained(str(tmp_path)).save_pretrained(str(tmp_path / "ours"))
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["mask_token_id"] == 259
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mask_token_id": 7}))
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 7
+
+
 def edited_config(tmp_path, **changes):
     """A transformers checkpoint of SHAPES[0] in tmp_path with config.json's keys changed (None: a null)."""
     hf = hf_checkpoint(tmp_path, SHAPES[0])
