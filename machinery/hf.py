@@ -126,6 +126,8 @@ def config_fields(d, source, names):
                 raise InputError(f"{source}: rope_parameters' {kind} rope_type {how!r} is not supported")
             if rope[kind].get("rope_theta") is not None:  # else the top-level theta, as transformers reads it
                 fields[name] = rope[kind]["rope_theta"]
+    if isinstance(scaling, dict) and scaling.get("rope_theta") is not None:  # transformers 5.x merges rope_scaling
+        fields.update(dict.fromkeys(ROPE_FIELDS.values(), scaling["rope_theta"]))  # into both kinds, over theirs
     return fields
 
 

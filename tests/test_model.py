@@ -256,6 +256,16 @@ def test_rope_parameters_without_a_theta_take_the_top_level_one_as_transformers_
         assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
 
 
+def test_a_theta_in_rope_scaling_applies_to_both_layer_kinds_as_transformers_reads_it(tmp_path):
+    """transformers 5.x merges a config.json's rope_scaling into the rotary parameters of both layer kinds, its
+    rope_theta over theirs: a default-type rope_scaling with a theta gives every layer that theta (it was ignored)."""
+    edited_config(tmp_path, rope_scaling={"rope_type": "default", "rope_theta": 5.0})
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path)).rope_parameters
+    ours = ModernBERTConfig.read(tmp_path / "config.json")
+    assert (ours.global_rope_theta, ours.local_rope_theta) == (theirs["full_attention"]["rope_theta"],
+                                                              theirs["sliding_attention"]["rope_theta"]) == (5.0, 5.0)
+
+
 def test_mismatched_checkpoint_names_the_keys(tmp_path):
     hf_checkpoint(tmp_path, SHAPES[0])
     from safetensors.torch import load_file, save_file
