@@ -33,6 +33,8 @@ def hf_checkpoint(tmp_path, shape, vocab=300, seed=0):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif "Wqkv" in name:  # HF's 0.02 gives scores near 0: attention near uniform, where no position shows
+                p.mul_(20)  # (without RoPE the logits moved by under 1e-4); x20: scores of a few units
     hf.save_pretrained(tmp_path)
     return hf
 
