@@ -45,7 +45,8 @@ def check_config(c, activations):
         require(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top, name, f"an integer in [1, {top}]")
     for name in ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
         require(isinstance(getattr(c, name), int) and getattr(c, name) >= 0, name, "a non-negative id")
-    # only the padding id indexes the embedding; HF config.json files carry no mask_token_id (ours defaults)
+    # only the padding id indexes the embedding; transformers' config.json files carry no mask_token_id (read from
+    # the tokenizer.json beside them, else ModernBERT's)
     require(c.pad_token_id < c.vocab_size, "pad_token_id", f"an id below vocab_size={c.vocab_size}")
     for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
                  "initializer_cutoff_factor"):
@@ -105,6 +106,10 @@ def config_fields(d, source, names):
         if name in d and d[name] is None:
             raise InputError(f"{source}: {name} is null: expected the id (this model frames and pads with it)")
     fields = {name: d[name] for name in names if d.get(name) is not None}
+    if "mask_token_id" in names and d.get("mask_token_id") is None:  # transformers writes none: the id is that of
+        mask = tokenizer_mask_id(os.path.join(os.path.dirname(source), "tokenizer.json"))  # the tokenizer beside
+        if mask is not None:  # (ModernBERT's default would call the data of any other tokenizer not the model's)
+            fields["mask_token_id"] = mask
     types = d.get("layer_types")
     if "global_attn_every_n_layers" not in d and isinstance(types, list) and types:  # transformers 5.x may list the
         fields["global_attn_every_n_layers"] = next(  # layers alone: written back, their period is what 4.x reads
@@ -121,7 +126,23 @@ def config_fields(d, source, names):
                 raise InputError(f"{source}: rope_parameters' {kind} rope_type {how!r} is not supported")
             if rope[kind].get("rope_theta") is not None:  # else the top-level theta, as transformers reads it
                 fields[name] = rope[kind]["rope_theta"]
+    if isinstance(scaling, dict) and scaling.get("rope_theta") is not None:  # transformers 5.x merges rope_scaling
+        fields.update(dict.fromkeys(ROPE_FIELDS.values(), scaling["rope_theta"]))  # into both kinds, over theirs
     return fields
+
+
+def tokenizer_mask_id(path):
+    """The id of [MASK] in the tokenizer.json at `path` (an added token, or in the vocabulary), or None where there
+    is no such file or no such token."""
+    if not os.path.isfile(path):
+        return None
+    t = read_json(path, "a tokenizer.json")
+    t = t if isinstance(t, dict) else {}
+    added, model = t.get("added_tokens"), t.get("model")
+    ids = dict(model.get("vocab") or {}) if isinstance(model, dict) and isinstance(model.get("vocab"), dict) else {}
+    ids |= {a.get("content"): a.get("id") for a in added if isinstance(a, dict)} if isinstance(added, list) else {}
+    mask = ids.get("[MASK]")
+    return mask if isinstance(mask, int) and not isinstance(mask, bool) else None
 
 
 def config_to_hf(c):

@@ -33,6 +33,8 @@ def hf_checkpoint(tmp_path, shape, vocab=300, seed=0):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif "Wqkv" in name:  # HF's 0.02 gives scores near 0: attention near uniform, where no position shows
+                p.mul_(20)  # (without RoPE the logits moved by under 1e-4); x20: scores of a few units
     hf.save_pretrained(tmp_path)
     return hf
 
@@ -175,6 +177,30 @@ def test_loads_old_config_spelling_and_file_with_decoder_weight(tmp_path):
         assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
 
 
+def test_a_transformers_checkpoint_takes_its_mask_id_from_the_tokenizer_beside_it(tmp_path):
+    """transformers writes no mask_token_id to config.json: the [MASK] id is the tokenizer's saved with the weights,
+    so that the data and the eval tokenizer of that tokenizer fit the model (ModernBERT's 50284, the default, refused
+    them, and lies outside this vocabulary of 320). A config.json that names a mask id keeps it."""
+    from machinery import models
+    from machinery.tokenizer import load_tokenizer
+    tok = load_tokenizer("bytes")
+    ids = dict(pad_token_id=tok.pad_id, cls_token_id=tok.cls_id, sep_token_id=tok.sep_id)
+    hf = transformers.ModernBertConfig(vocab_size=320, bos_token_id=tok.cls_id, eos_token_id=tok.sep_id, **ids,
+                                       **SHAPES[0])
+    transformers.ModernBertForMaskedLM(hf).save_pretrained(tmp_path)
+    assert "mask_token_id" not in json.loads((tmp_path / "config.json").read_text())
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 50284  # no tokenizer.json: the default
+    tok.save_pretrained(tmp_path)
+    info = models.inspect_model(str(tmp_path), ModernBERT)
+    assert info["config"].mask_token_id == tok.mask_id == 259
+    assert models.model_tokenizer(info).mask_id == 259  # was: "does not fit the model (ids (256, 257, 258, 50284)"
+    ModernBERT.from_pretrained(str(tmp_path)).save_pretrained(str(tmp_path / "ours"))
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["mask_token_id"] == 259
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mask_token_id": 7}))
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 7
+
+
 def edited_config(tmp_path, **changes):
     """A transformers checkpoint of SHAPES[0] in tmp_path with config.json's keys changed (None: a null)."""
     hf = hf_checkpoint(tmp_path, SHAPES[0])
@@ -230,6 +256,16 @@ def test_rope_parameters_without_a_theta_take_the_top_level_one_as_transformers_
     ids, mask = padded_batch(300)
     with torch.no_grad():
         assert (ours(ids, mask)[0] - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
+
+
+def test_a_theta_in_rope_scaling_applies_to_both_layer_kinds_as_transformers_reads_it(tmp_path):
+    """transformers 5.x merges a config.json's rope_scaling into the rotary parameters of both layer kinds, its
+    rope_theta over theirs: a default-type rope_scaling with a theta gives every layer that theta (it was ignored)."""
+    edited_config(tmp_path, rope_scaling={"rope_type": "default", "rope_theta": 5.0})
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path)).rope_parameters
+    ours = ModernBERTConfig.read(tmp_path / "config.json")
+    assert (ours.global_rope_theta, ours.local_rope_theta) == (theirs["full_attention"]["rope_theta"],
+                                                              theirs["sliding_attention"]["rope_theta"]) == (5.0, 5.0)
 
 
 def test_mismatched_checkpoint_names_the_keys(tmp_path):
