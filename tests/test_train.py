@@ -789,6 +789,32 @@ def test_wsd_schedule_at_its_key_points():
         [train.learning_rate(wsd, t) for t in range(0, 1001, 50)]
 
 
+def test_the_reference_states_the_biphasic_cpu_schedule_that_runs():
+    """docs/reference.md's learning rates of the biphasic cpu run are learning_rate's at reproduce.py's cpu scale,
+    and the ones the committed report's runs logged (it once quoted a B of 200 steps the scale no longer has)."""
+    from reproduce import BIPHASIC as scales
+    s, per = scales["cpu"], train.RECIPES["cpu"]["batch_size"] * train.RECIPES["cpu"]["seq_len"]
+    steps, warm, B = s["steps"], s["warmup_steps"], s["steps"] * per
+    parts = [train.Config(**{**train.RECIPES["cpu"], "phase": phase, "schedule": "wsd", "schedule_tokens": B,
+                             "warmup_tokens": warm * per, "tokens": tokens})
+             for phase, tokens in (("clm", B // 4), ("mlm", B - B // 4))]
+    lr = [train.learning_rate(parts[k >= steps // 4], k * per) for k in range(steps)]  # lr[k]: step k + 1
+    alone = train.Config(**{**parts[1].__dict__, "tokens": B})
+    assert lr == [train.learning_rate(alone, k * per) for k in range(steps)]  # MLM alone: the same at every step
+    report = json.loads((ROOT / "docs" / "biphasic-cpu" / "report.json").read_text())["runs"]
+    logged = [rate for run in ("clm25-r1", "clm25-mlm-r1") for _, rate in report[run]["lr"]]
+    assert logged == pytest.approx(lr, rel=1e-12, abs=0)
+    decay = steps - max(k for k in range(steps) if lr[k] == lr[warm])  # from the last step at the peak to the end
+    at = lambda k: f"{lr[k - 1]:.2e}".replace("e-0", "e-")  # the rate of step k, as the text writes it
+    text = " ".join((ROOT / "docs" / "reference.md").read_text().split())
+    for said in (f"(B = {steps} steps of {per:,} tokens, peak 1e-3, warmup over {warm} steps,",
+                 f"reaches {at(warm)} at step {warm} and the peak 1e-3 at step {warm + 1};",
+                 f"(step {steps // 4} of CLM, step 1 of MLM)",
+                 f"the decay's {decay} steps run from the peak at step {steps - decay + 1} of B through "
+                 f"{at(steps - decay + 2)} at step {steps - decay + 2}", f"to 1e-4, the floor, in step {steps}."):
+        assert said in text, said
+
+
 BIPHASIC = ["--schedule=wsd", f"--schedule_tokens={6 * STEP_TOKENS}", "--decay_frac=0.5", "--save_interval=1"]
 
 
