@@ -923,3 +923,28 @@ def test_create_on_a_read_only_or_full_disk_is_one_error_and_leaves_nothing(smal
     with pytest.raises(InputError, match=rf"disk/run: cannot write a run there \({reason}\)"):
         RunDir.create(str(disk / "run"))
     assert os.listdir(disk) == []
+
+
+def test_a_disk_that_fills_between_saves_stops_the_run_at_its_log_with_one_line(small_disk):
+    """The log takes a record at every step, so a disk that fills up between saves is met there first: one error
+    naming the log and the checkpoint the run goes on from, not an OSError's traceback. A resume on that disk
+    (its trim of the log) is one line too, and leaves the log as it was and nothing beside it."""
+    disk = small_disk("1m")
+    run = RunDir.create(str(disk / "run"))
+    record = dict(phase="mlm", tokens=512, loss=2.5, lr=1e-3, grad_norm=0.5, ms=100.0, tokens_per_s=5120, mfu=None)
+    run.append_log({**record, "step": 1})
+    save(run, 1)
+    with open(disk / "filler", "wb", buffering=0) as f:  # another program takes the rest of the disk
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(bytes(4096))
+    with pytest.raises(InputError) as stopped:  # the log's last page fills up a few steps later
+        for step in range(2, 1000):
+            run.append_log({**record, "step": step})
+    assert f"{run.log_path}: cannot append the record of step {step} (No space left on device); the run stops " \
+           f"here: the previous checkpoint {run.checkpoints}/step-00000001 is intact" == str(stopped.value)
+    before = tree(disk / "run")
+    with pytest.raises(InputError, match=rf"{run.log_path}: cannot rewrite it with the records up to step 1, where "
+                                         rf"the run resumes \(No space left on device\); nothing was trained"):
+        run.trim_log(1)
+    assert tree(disk / "run") == before and leftovers(run) == []
