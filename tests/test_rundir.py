@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -464,6 +465,32 @@ def test_the_model_card_is_usable_on_the_hub(tmp_path):
     assert '`model="out/code-clm"` loads the folder train.py wrote' in use
     assert "No license was given" not in card and "`apache-2.0`" in card
     assert front_matter(card)["license"] == "apache-2.0"
+
+
+def test_the_cards_upload_command_publishes_the_model_and_not_the_users_wandb_files(tmp_path):
+    """The card's `hf upload`, run as written, publishes the run directory less its optimizer states and, where W&B
+    tracked the run (this invocation or an earlier one), less W&B's local files, whose wandb-metadata.json holds the
+    user's e-mail, host and user names and git remote: what huggingface_hub's own filter keeps of the run's files
+    under the command's --exclude patterns, read from the card (a folder name with a space stays one argument)."""
+    hub = pytest.importorskip("huggingface_hub.utils")
+    out = tmp_path / "my run"
+    files = ["config.json", "model.safetensors", "tokenizer.json", "README.md", "log.jsonl", "loss.png", "run.json",
+             "checkpoints/step-00000004/optimizer.safetensors", "tensorboard/events.out.tfevents.1.host",
+             "wandb/offline-run-20260101_000000-0123abcd/files/wandb-metadata.json"]
+    model = {name for name in files if not name.startswith(("checkpoints/", "wandb/"))}
+    for log_to, wandb_files in (("wandb", False), ("tensorboard", True), ("tensorboard", False)):
+        shutil.rmtree(out, ignore_errors=True)
+        there = files if wandb_files else [f for f in files if not f.startswith("wandb/")]
+        for name in there:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("x")
+        card = card_of(tmp_path, out_dir=str(out), log_to=log_to)
+        (command,) = [part for part in card.split("`") if part.startswith("hf upload ")]
+        words = shlex.split(command)
+        assert words[:4] == ["hf", "upload", "USER/NAME", str(out)]
+        patterns = [words[i + 1] for i, word in enumerate(words) if word == "--exclude"]
+        assert set(hub.filter_repo_objects(there, ignore_patterns=patterns)) == model, (log_to, patterns)
+        assert ("wandb/*" in patterns) == (log_to == "wandb" or wandb_files)  # no pattern for what is not there
 
 
 def latest_step(out):
