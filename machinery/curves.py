@@ -315,6 +315,7 @@ def draw(runs, out=None, names=None):
         return draw_runs(runs, out, names)
     if names:
         raise InputError("--names names the runs of a comparison; one run's picture is titled by its directory")
-    check_outputs("--out", [out] if out else [], [os.path.join(runs[0], "log.jsonl")])
+    # its own loss.png by default: checked too, as a run on a read-only disk (a colleague's) cannot take it
+    check_outputs("--out", [out or os.path.join(runs[0], "loss.png")], [os.path.join(runs[0], "log.jsonl")])
     return draw_run(runs[0], out)
 

@@ -468,7 +468,11 @@ def use(cfg):
     """The card's "Use" section, a snippet that runs as written: it loads the hub id where --hub_id names one (what
     a reader of the card on the hub can load), else the folder train.py wrote, from the directory it ran in (a
     hub id the user never chose would wait for the network and fail). The other in a sentence, with the upload."""
-    upload = f"`hf upload {cfg.hub_id or 'USER/NAME'} {cfg.out_dir} --exclude \"checkpoints/*\"`"
+    # W&B's local files (--log_to=wandb, now or in an earlier invocation) are no part of the model, and its
+    # wandb-metadata.json holds the user's e-mail, host and user names and git remote
+    wandb = os.path.isdir(os.path.join(cfg.out_dir, "wandb")) or "wandb" in map(str.strip, cfg.log_to.split(","))
+    upload = (f"`hf upload {cfg.hub_id or 'USER/NAME'} {shlex.quote(cfg.out_dir)} --exclude \"checkpoints/*\""
+              + (' --exclude "wandb/*"' if wandb else "") + "`")
     here = "" if os.path.isabs(cfg.out_dir) else ", from the directory it ran in"
     if cfg.hub_id:
         where = (f"Published with {upload}. Before it is uploaded, `model={json.dumps(cfg.out_dir)}` loads the "

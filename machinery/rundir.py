@@ -194,11 +194,19 @@ class RunDir:
     # ---- the log --------------------------------------------------------------------------------------------
 
     def append_log(self, record):
-        append_log(self.log_path, record)
+        """One record at the end of log.jsonl. A disk that takes no more (full, read-only) stops the run with one
+        line naming the log and the checkpoint it can go on from: the log is written at every step, so a disk that
+        fills up between saves is met here first, and a run that went on would leave steps out of it."""
+        try:
+            append_log(self.log_path, record)
+        except OSError as e:
+            raise InputError(f"{self.log_path}: cannot append the record of step {record['step']} "
+                             f"({e.strerror or e}); the run stops here: {self._intact()}") from None
 
     def trim_log(self, step):
         """Keep the records up to `step`, the checkpoint a resume starts from: the steps after it will be
-        run, and logged, again. A line cut short by a kill is dropped."""
+        run, and logged, again. A line cut short by a kill is dropped. Written beside the log and renamed over it:
+        a disk that cannot take it leaves the log as it was, and one line says so."""
         if not os.path.exists(self.log_path):
             return
         kept = []
@@ -210,9 +218,14 @@ class RunDir:
                 except (ValueError, KeyError, TypeError):
                     continue
         tmp = f"{self.log_path}.tmp-{self.run_id}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.log_path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.log_path)
+        except OSError as e:
+            _remove_file(tmp)
+            raise InputError(f"{self.log_path}: cannot rewrite it with the records up to step {step}, where the run "
+                             f"resumes ({e.strerror or e}); nothing was trained, and the log is as it was") from None
 
     # ---- the model card ------------------------------------------------------------------------------------
 

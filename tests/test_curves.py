@@ -2,6 +2,7 @@
 parents) and the loss pictures (a PNG of the requested pixel size, one colour per run, no matplotlib)."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -246,6 +247,24 @@ def test_command_line(tmp_path, capsys):
                           ([a, "--names=x"], "one run's picture"), ([str(tmp_path)], "no log.jsonl")]:
         with pytest.raises(InputError, match=message):
             ev.main(["curves", *argv])
+
+
+def test_a_run_on_a_read_only_disk_is_one_line_naming_its_loss_png_and_another_out_draws_it(tmp_path, small_disk,
+                                                                                           capsys):
+    """`eval.py curves RUN` writes RUN/loss.png by default: on a disk that cannot take it (a colleague's runs on a
+    read-only mount) an error line that names the file and what to do before anything is drawn, as a given --out
+    gets, not a traceback from the PNG writer; --out elsewhere draws the same run."""
+    pytest.importorskip("matplotlib")
+    import eval as ev
+    disk = small_disk("1m")
+    run = make_run(disk / "run", phase_log("mlm", 3, 10))
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    with pytest.raises(InputError) as refused:
+        ev.main(["curves", run])
+    assert str(refused.value) == f"--out={run}/loss.png: cannot write it (Read-only file system); name a file in " \
+                                 f"a folder that exists and can be written"
+    ev.main(["curves", run, f"--out={tmp_path / 'run.png'}"])
+    assert (tmp_path / "run.png").is_file() and sorted(os.listdir(run)) == ["log.jsonl", "run.json"]
 
 
 # --- a continued run's curve starts at its start; each train loss says what it measures ------------------------

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -466,6 +467,32 @@ def test_the_model_card_is_usable_on_the_hub(tmp_path):
     assert front_matter(card)["license"] == "apache-2.0"
 
 
+def test_the_cards_upload_command_publishes_the_model_and_not_the_users_wandb_files(tmp_path):
+    """The card's `hf upload`, run as written, publishes the run directory less its optimizer states and, where W&B
+    tracked the run (this invocation or an earlier one), less W&B's local files, whose wandb-metadata.json holds the
+    user's e-mail, host and user names and git remote: what huggingface_hub's own filter keeps of the run's files
+    under the command's --exclude patterns, read from the card (a folder name with a space stays one argument)."""
+    hub = pytest.importorskip("huggingface_hub.utils")
+    out = tmp_path / "my run"
+    files = ["config.json", "model.safetensors", "tokenizer.json", "README.md", "log.jsonl", "loss.png", "run.json",
+             "checkpoints/step-00000004/optimizer.safetensors", "tensorboard/events.out.tfevents.1.host",
+             "wandb/offline-run-20260101_000000-0123abcd/files/wandb-metadata.json"]
+    model = {name for name in files if not name.startswith(("checkpoints/", "wandb/"))}
+    for log_to, wandb_files in (("wandb", False), ("tensorboard", True), ("tensorboard", False)):
+        shutil.rmtree(out, ignore_errors=True)
+        there = files if wandb_files else [f for f in files if not f.startswith("wandb/")]
+        for name in there:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("x")
+        card = card_of(tmp_path, out_dir=str(out), log_to=log_to)
+        (command,) = [part for part in card.split("`") if part.startswith("hf upload ")]
+        words = shlex.split(command)
+        assert words[:4] == ["hf", "upload", "USER/NAME", str(out)]
+        patterns = [words[i + 1] for i, word in enumerate(words) if word == "--exclude"]
+        assert set(hub.filter_repo_objects(there, ignore_patterns=patterns)) == model, (log_to, patterns)
+        assert ("wandb/*" in patterns) == (log_to == "wandb" or wandb_files)  # no pattern for what is not there
+
+
 def latest_step(out):
     return RunDir.open(str(out)).latest_state()["phase_step"]
 
@@ -923,3 +950,28 @@ def test_create_on_a_read_only_or_full_disk_is_one_error_and_leaves_nothing(smal
     with pytest.raises(InputError, match=rf"disk/run: cannot write a run there \({reason}\)"):
         RunDir.create(str(disk / "run"))
     assert os.listdir(disk) == []
+
+
+def test_a_disk_that_fills_between_saves_stops_the_run_at_its_log_with_one_line(small_disk):
+    """The log takes a record at every step, so a disk that fills up between saves is met there first: one error
+    naming the log and the checkpoint the run goes on from, not an OSError's traceback. A resume on that disk
+    (its trim of the log) is one line too, and leaves the log as it was and nothing beside it."""
+    disk = small_disk("1m")
+    run = RunDir.create(str(disk / "run"))
+    record = dict(phase="mlm", tokens=512, loss=2.5, lr=1e-3, grad_norm=0.5, ms=100.0, tokens_per_s=5120, mfu=None)
+    run.append_log({**record, "step": 1})
+    save(run, 1)
+    with open(disk / "filler", "wb", buffering=0) as f:  # another program takes the rest of the disk
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(bytes(4096))
+    with pytest.raises(InputError) as stopped:  # the log's last page fills up a few steps later
+        for step in range(2, 1000):
+            run.append_log({**record, "step": step})
+    assert f"{run.log_path}: cannot append the record of step {step} (No space left on device); the run stops " \
+           f"here: the previous checkpoint {run.checkpoints}/step-00000001 is intact" == str(stopped.value)
+    before = tree(disk / "run")
+    with pytest.raises(InputError, match=rf"{run.log_path}: cannot rewrite it with the records up to step 1, where "
+                                         rf"the run resumes \(No space left on device\); nothing was trained"):
+        run.trim_log(1)
+    assert tree(disk / "run") == before and leftovers(run) == []
