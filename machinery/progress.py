@@ -98,9 +98,10 @@ def start(how, carries, cfg, phase_step, source, state, schedule_from, learning_
               f"run goes on with these, not bit for bit with the run it was (its state.json keeps those of the steps "
               f"before: earlier_code)", file=sys.stderr)
     then = state["code"].get("sha256") if how == "handoff" else None  # the code of the steps a hand-off continues
-    if then and then != code_version()["sha256"]:  # an edit between the phases: often the ablation itself
+    here = code_version()["sha256"] if then else None
+    if then and then != here:  # an edit between the phases: often the ablation itself
         print(f"note: {cfg.init_from} was written by other code (a script or a module of machinery/ changed since: "
-              f"code {then} then, {code_version()['sha256']} now): the phases of this model ran different code, "
+              f"code {then} then, {here} now): the phases of this model ran different code, "
               f"each run's state.json keeps its own")
     if how == "resume" and saved["tokens"] != cfg.tokens:
         print(f"its budget goes from {saved['tokens']:,} to {cfg.tokens:,} tokens; the {phase_step} steps run keep "
