@@ -293,13 +293,13 @@ def plan_threads(out, stages, jobs, cores):
     solo stage every core): a CPU run's numbers change with its thread count, so a rerun with another --jobs, or on
     a machine with other cores, computes what the first invocation would have; --jobs then changes only how many
     stages run at once."""
-    path = out / "plan.json"
+    path, share = out / "plan.json", {s.name: cores if s.solo else max(1, cores // jobs) for s in stages}
     saved = check_plan(read_json(path, "the plan of a reproduce.py experiment"), path) if path.exists() else {}
     if "threads" not in saved:  # a new plan (or one written before plans kept them): fixed now
-        saved["threads"] = {s.name: cores if s.solo else max(1, cores // jobs) for s in stages}
+        saved["threads"] = share
         if path.exists():
             write_json(path, saved)
-    elif any(saved["threads"].get(s.name) != (cores if s.solo else max(1, cores // jobs)) for s in stages):
+    elif any(saved["threads"].get(name) != n for name, n in share.items()):
         print(f"reproduce: each stage takes the threads its plan fixed at its first invocation (a CPU run's numbers "
               f"change with them), not {max(1, cores // jobs)} of --jobs={jobs} on {cores} cores", flush=True)
     return saved["threads"]
