@@ -778,8 +778,9 @@ def test_the_documents_quote_the_committed_reports(document, start, end):
 def test_the_committed_reports_read_again_give_the_readings_the_documents_state():
     """The readings the documents state, recomputed from the committed reports: the detour's depth trend is not
     read (the ratio against each replicate's own control falls, the raw divergence rises); ncbi_disease's
-    detectable difference ranges over 1.8-4.0 points; the biphasic study's two fine-tuning differences that
-    exclude 0 alone (p 0.010, 0.038) do not over its 8 (Holm 0.082, 0.26), and the detour's none of 8."""
+    detectable difference ranges over 1.8-4.0 points; of the biphasic study's 8 fine-tuning differences one
+    excludes 0 alone (p 0.0005) and over the 8 (Holm 0.004: CLM 25% then MLM is worse on chemprot), the next
+    does not (p 0.057); the detour's none of 8."""
     rep = json.loads((ROOT / "docs" / "detour-cpu" / "report.json").read_text())
     before = rep["cka"]["before"]
     trend = ev.trend(np.array(before["divergence_replicates"]), np.array(before["controls"]["divergence"]))
@@ -791,5 +792,6 @@ def test_the_committed_reports_read_again_give_the_readings_the_documents_state(
     assert (round(100 * ncbi["detectable_low"], 1), round(100 * ncbi["detectable_high"], 1)) == (1.8, 4.0)
     _, biphasic = report_figures("biphasic")
     alone = sorted((d["p"], d["family"]["p"]) for d in biphasic)[:2]
-    assert [(round(p, 4), round(h, 3)) for p, h in alone] == [(0.0103, 0.082), (0.0377, 0.264)]
-    assert all(d["family"]["verdict"] == "no family-wise difference" for d in biphasic) and len(biphasic) == 8
+    assert [(round(p, 4), round(h, 3)) for p, h in alone] == [(0.0005, 0.004), (0.0567, 0.397)]
+    assert [d["family"]["verdict"] for d in biphasic].count("worse") == 1 and len(biphasic) == 8
+    assert {d["family"]["verdict"] for d in biphasic} == {"worse", "no family-wise difference"}
