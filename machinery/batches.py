@@ -21,7 +21,8 @@ def batches_by_length(seqs, batch_size):
 def length_grouped(lengths, batch_size, generator, group=64):
     """One epoch's batches: the examples in a random order, cut into runs of `group` batches, each
     run sorted by length and cut into batches, the batches shuffled. Little padding (a batch pads to
-    its longest example), a random order of batches; Hugging Face's group_by_length does the same."""
+    its longest example), a random order of batches. Hugging Face's group_by_length sorts such runs
+    too but keeps their batches in order, longest first (an out-of-memory error comes early there)."""
     order = torch.randperm(len(lengths), generator=generator).tolist()
     batches = []
     for i in range(0, len(order), group * batch_size):
