@@ -110,6 +110,7 @@ def test_trained_tokenizer_parity(trained):
     texts = TRICKY + [words(random.Random(1), 300)] + ["x <r>  y", "<r>\n<r>", "<e\u0301nt> <ént>", "e\u0301[CLS]",
                                                       "zu [MASK]  ka [SEP]", "\u3000[MASK] <r>\t"]
     assert [ours.encode(t) for t in texts] == hf_ids(hf, texts)
+    assert ours.encode_batch(texts, num_threads=4) == hf_ids(hf, texts)  # 105 texts in order, on 4 threads
     assert (ours.vocab_size, ours.special_ids, ours.mask_id) == (507, [500, 501, 502, 503, 504], 503)
 
 
@@ -129,13 +130,24 @@ def test_bytes_tokenizer():
     assert tok.fingerprint == data.load_tokenizer("bytes").fingerprint
 
 
-def test_fingerprint(trained, tmp_path):
+def swap_two_bytes(config):
+    vocab = config["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+
+
+@pytest.mark.parametrize("edit", [lambda c: c["added_tokens"][-1].update(content="<other>"), swap_two_bytes,
+                                  lambda c: c.update(normalizer={"type": "NFKC"})],
+                         ids=["an added token", "the ids of two bytes", "the normalizer"])
+def test_fingerprint(trained, tmp_path, edit):
+    """Whatever changes the ids a text gets changes the fingerprint, which stops a run on data of another tokenizer."""
     path, hf = trained
     assert data.load_tokenizer(path).fingerprint == data.load_tokenizer(path).fingerprint
     config = json.loads(path.read_text())
-    config["added_tokens"][-1]["content"] = "<other>"
+    edit(config)
     (tmp_path / "other.json").write_text(json.dumps(config))
-    assert data.load_tokenizer(tmp_path / "other.json").fingerprint != data.load_tokenizer(path).fingerprint
+    other, ours = data.load_tokenizer(tmp_path / "other.json"), data.load_tokenizer(path)
+    assert other.encode("<e\u0301nt> ab \ufb01") != ours.encode("<e\u0301nt> ab \ufb01")  # another tokenizer indeed
+    assert other.fingerprint != ours.fingerprint
 
 
 def test_byte_tokenizer_json_is_loaded_by_hf_tokenizers(tmp_path):
