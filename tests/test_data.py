@@ -1128,6 +1128,19 @@ def test_every_id_a_batch_holds_is_below_the_vocabulary(byte_data, tmp_path):
         loader(byte_data, split="val", seq_len=1_000_000)
 
 
+def test_the_open_reads_a_large_files_last_tokens_whole(byte_data, tmp_path):
+    """A file's end (where a copy cut short and padded, or another tokenizer's tail, shows) is read whole at the open,
+    its last 8192 tokens: a bad id there stops the run before any step."""
+    bad = tmp_path / "bad"
+    shutil.copytree(byte_data, bad)
+    tokens = np.fromfile(bad / "train.bin", dtype=np.uint16)
+    assert len(tokens) > 20 * 8192  # the seeded spread of 4096 positions alone would likely miss it
+    tokens[-8192] = 260
+    tokens.tofile(bad / "train.bin")
+    with pytest.raises(InputError, match=rf"ids up to 260 at sample positions \(the first at token {len(tokens) - 8192}\)"):
+        data.count_windows(bad, "train", 1024)
+
+
 @pytest.mark.parametrize("change, expected", [
     (lambda d: os.truncate(d / "train.bin", 1000), r"train.bin: no longer holds its \d+ tokens: it was cut"),
     (lambda d: shutil.copy(d / "val.bin", d / "train.bin"), r"train.bin: no longer holds its \d+ tokens"),
