@@ -110,6 +110,7 @@ def test_trained_tokenizer_parity(trained):
     texts = TRICKY + [words(random.Random(1), 300)] + ["x <r>  y", "<r>\n<r>", "<e\u0301nt> <ént>", "e\u0301[CLS]",
                                                       "zu [MASK]  ka [SEP]", "\u3000[MASK] <r>\t"]
     assert [ours.encode(t) for t in texts] == hf_ids(hf, texts)
+    assert ours.encode_batch(texts, num_threads=4) == hf_ids(hf, texts)  # 105 texts in order, on 4 threads
     assert (ours.vocab_size, ours.special_ids, ours.mask_id) == (507, [500, 501, 502, 503, 504], 503)
 
 
@@ -129,13 +130,24 @@ def test_bytes_tokenizer():
     assert tok.fingerprint == data.load_tokenizer("bytes").fingerprint
 
 
-def test_fingerprint(trained, tmp_path):
+def swap_two_bytes(config):
+    vocab = config["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+
+
+@pytest.mark.parametrize("edit", [lambda c: c["added_tokens"][-1].update(content="<other>"), swap_two_bytes,
+                                  lambda c: c.update(normalizer={"type": "NFKC"})],
+                         ids=["an added token", "the ids of two bytes", "the normalizer"])
+def test_fingerprint(trained, tmp_path, edit):
+    """Whatever changes the ids a text gets changes the fingerprint, which stops a run on data of another tokenizer."""
     path, hf = trained
     assert data.load_tokenizer(path).fingerprint == data.load_tokenizer(path).fingerprint
     config = json.loads(path.read_text())
-    config["added_tokens"][-1]["content"] = "<other>"
+    edit(config)
     (tmp_path / "other.json").write_text(json.dumps(config))
-    assert data.load_tokenizer(tmp_path / "other.json").fingerprint != data.load_tokenizer(path).fingerprint
+    other, ours = data.load_tokenizer(tmp_path / "other.json"), data.load_tokenizer(path)
+    assert other.encode("<e\u0301nt> ab \ufb01") != ours.encode("<e\u0301nt> ab \ufb01")  # another tokenizer indeed
+    assert other.fingerprint != ours.fingerprint
 
 
 def test_byte_tokenizer_json_is_loaded_by_hf_tokenizers(tmp_path):
@@ -360,6 +372,15 @@ def test_prepare_is_deterministic_and_counts(tmp_path):
         assert sum(v["tokens"] for v in per_source.values()) == meta["splits"][split]["tokens"]
     assert b_docs <= set(docs["train"]) | set(docs["val"]) and not set(docs["train"]) & set(docs["val"])
     assert len(docs["train"]) + len(docs["val"]) == 53  # no repeats without --mix
+
+
+def test_train_keeps_a_document_of_every_input_whatever_the_val_fraction(tmp_path):
+    """Validation takes val_fraction of each input's documents, rounded, at least one and never all of them."""
+    a = write_jsonl(tmp_path / "a.jsonl", ["first text", "second text"])
+    b = write_jsonl(tmp_path / "b.jsonl", ["third", "fourth", "fifth"])
+    meta = data.prepare([a, b], "bytes", tmp_path / "d", val_fraction=0.9, workers=1)
+    assert {split: {name: source["documents"] for name, source in meta["splits"][split]["per_source"].items()}
+            for split in ("train", "val")} == {"train": {"a": 1, "b": 1}, "val": {"a": 1, "b": 2}}
 
 
 def test_prepare_mix(tmp_path):
@@ -888,6 +909,17 @@ def test_the_ids_this_code_frames_with_are_never_masked_even_unflagged():
     assert set(vocab.replacements) == set(range(12)) and (labels[~framing] != -100).mean() > 0.8
 
 
+def test_a_token_the_tokenizer_flags_special_is_never_masked():
+    """A token tokenizer.json flags special besides the four this code frames with (ModernBERT's [UNK] and
+    <|endoftext|>): MLM never chooses it, nor draws it as a random replacement."""
+    meta = dict(vocab_size=16, cls_id=12, sep_id=13, pad_id=14, mask_id=15, special_ids=[3, 7, 12, 13, 14, 15])
+    x = np.tile(np.arange(16), (64, 4))  # (64, 64): every id, many times
+    masked, labels = data.mlm_labels(x, np.arange(64), data.Vocab(meta), 0.9, seed=0)
+    flagged = np.isin(x, [3, 7])
+    assert (labels[flagged] == -100).all() and (masked[flagged] == x[flagged]).all()
+    assert not np.isin(masked[labels != -100], [3, 7]).any() and (labels[x < 3] != -100).mean() > 0.8
+
+
 def test_clm_labels(byte_data):
     x, y = loader(byte_data, objective="clm").next()
     assert (y[:, -1] == -100).all() and (x == 257).any()
@@ -1082,18 +1114,31 @@ def test_every_id_a_batch_holds_is_below_the_vocabulary(byte_data, tmp_path):
     tokens = np.fromfile(bad / "train.bin", dtype=np.uint16)
     sampled = set(tokenfiles.sample_positions(len(tokens)).tolist())
     at = next(p for p in range(len(tokens) // 2, len(tokens)) if p not in sampled)
-    tokens[at] = 300
+    tokens[at] = 260  # the vocabulary's size: the smallest id outside it
     tokens.tofile(bad / "train.bin")
     ordered = loader(bad, data_seed=None)  # file order: window w holds tokens [1024 w, 1024 (w + 1))
     with pytest.raises(InputError) as e:
         for _ in range(ordered.n_windows):
             ordered.next()
     start = at // 1024 * 1024
-    assert str(e.value) == f"{bad / 'train.bin'}: id 300 in tokens {start} to {start + 1023}, above the vocabulary " \
+    assert str(e.value) == f"{bad / 'train.bin'}: id 260 in tokens {start} to {start + 1023}, above the vocabulary " \
                            f"of 260 (a file of another tokenizer or dtype?)"
     assert ordered.sequence == start // 1024 // 8 * 8  # the batches before it were served
     with pytest.raises(InputError, match=r"val.bin: seq_len 1000000 is longer than the data \(\d+ tokens\)"):
         loader(byte_data, split="val", seq_len=1_000_000)
+
+
+def test_the_open_reads_a_large_files_last_tokens_whole(byte_data, tmp_path):
+    """A file's end (where a copy cut short and padded, or another tokenizer's tail, shows) is read whole at the open,
+    its last 8192 tokens: a bad id there stops the run before any step."""
+    bad = tmp_path / "bad"
+    shutil.copytree(byte_data, bad)
+    tokens = np.fromfile(bad / "train.bin", dtype=np.uint16)
+    assert len(tokens) > 20 * 8192  # the seeded spread of 4096 positions alone would likely miss it
+    tokens[-8192] = 260
+    tokens.tofile(bad / "train.bin")
+    with pytest.raises(InputError, match=rf"ids up to 260 at sample positions \(the first at token {len(tokens) - 8192}\)"):
+        data.count_windows(bad, "train", 1024)
 
 
 @pytest.mark.parametrize("change, expected", [

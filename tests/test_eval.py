@@ -555,6 +555,8 @@ def test_length_grouped_batches_read_every_example_once_with_little_padding():
     shuffled = torch.randperm(1000, generator=g).split(16)
     random = sum(len(b) * max(lengths[i] for i in b.tolist()) for b in shuffled)
     assert padded < 0.6 * random and padded < 1.1 * sum(lengths)
+    longest = [max(lengths[i] for i in b) for b in batches]  # 63 batches, one run of 64: sorted, then shuffled
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
     assert batches != ev.length_grouped(lengths, 16, g)  # another epoch, another order
 
 

@@ -14,6 +14,7 @@ import reproduce
 from machinery import sources
 from machinery.cli import InputError
 from machinery.tasks import read_task
+from conftest import SHARED_DATA, need
 
 WORDS = "the cell protein binds a receptor in mice while dose and risk of tumour rose".split()
 
@@ -148,3 +149,20 @@ def test_a_download_that_is_not_its_source_is_one_line(tmp_path):
     (bio / "downloads" / "E3C-Corpus-2.0.0.zip").write_bytes((tmp_path / "again" / "E3C-Corpus-2.0.0.zip").read_bytes())
     with pytest.raises(InputError, match="pubmedqa-ori_pqal.json: not the JSON file its source serves"):
         sources.fetch(bio)
+
+
+def test_pubmedqa_is_split_as_the_reports_files_are(tmp_path):
+    """PubMedQA's questions rebuilt from the files the reports used (each question's abstract as one context): the
+    conversion draws the same train / dev split and writes those files' bytes, and the held-out abstracts'."""
+    folder = need(SHARED_DATA / "tasks" / "pubmedqa")
+    rows = {s: [json.loads(line) for line in (folder / f"{s}.jsonl").open()] for s in sources.SPLITS}
+    questions = {r["id"]: {"QUESTION": r["text"], "CONTEXTS": [r["text_pair"]], "final_decision": r["label"]}
+                 for split in rows.values() for r in split}
+    (tmp_path / "pubmedqa-ori_pqal.json").write_text(json.dumps(questions))
+    (tmp_path / "pubmedqa-test_ground_truth.json").write_text(json.dumps({r["id"]: r["label"] for r in rows["test"]}))
+    downloads = {name: tmp_path / name for name in ("pubmedqa-ori_pqal.json", "pubmedqa-test_ground_truth.json")}
+    for s in sources.SPLITS:
+        made = sources.pubmedqa(downloads, s)
+        assert hashlib.sha256(made.encode()).hexdigest() == sources.SHA256[f"tasks/pubmedqa/{s}.jsonl"], s
+    made = sources.pubmedqa_abstracts(downloads)
+    assert hashlib.sha256(made.encode()).hexdigest() == sources.SHA256[sources.HELDOUT]
