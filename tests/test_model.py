@@ -431,10 +431,28 @@ def test_megatron_init():
     assert emb is model.decoder.weight
     assert abs(emb.std().item() - std * 0.88) < 0.002  # a +-2 sigma truncated normal has std 0.88 sigma
     assert emb.abs().max().item() <= 2 * std
-    wo = model.model.layers[2].mlp.Wo.weight
-    assert abs(wo.std().item() - out_std * 0.88) < 0.001 and wo.abs().max().item() <= 2 * out_std
+    for wo in (model.model.layers[2].mlp.Wo.weight, model.model.layers[2].attn.Wo.weight):  # both write the residual
+        assert abs(wo.std().item() - out_std * 0.88) < 0.001 and wo.abs().max().item() <= 2 * out_std
     assert abs(model.head.dense.weight.std().item() - std * 0.88) < 0.002
     assert torch.equal(model.model.final_norm.weight, torch.ones(128)) and not model.decoder.bias.any()
+
+
+def test_attention_dropout_drops_in_training_only():
+    """attention_dropout (train.py's --dropout) is inverted dropout on the attention's output: in eval mode the model
+    computes bit for bit what it does without it; in training a share p of the outputs is zero and the rest is the
+    eval output scaled by 1 / (1 - p)."""
+    p, T = 0.5, 100
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    model = tiny(attention_dropout=p)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], tiny()(ids)[0])
+        attn = model.model.layers[1].attn
+        x = torch.randn(2, T, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        args = model_rope(model, T, attn.local), SDPA(2, T, x.device, False, model.config.window, rule=mask_rule)
+        kept, dropped = attn(x, *args), attn.train()(x, *args)
+    zero = dropped == 0
+    assert abs(zero.float().mean().item() - p) < 0.02 and not (kept == 0).any()
+    assert torch.allclose(dropped[~zero], kept[~zero] / (1 - p), rtol=1e-6, atol=0)
 
 
 def test_param_groups_split_by_ndim():
