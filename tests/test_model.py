@@ -533,6 +533,9 @@ def test_flops_per_token_counts_every_matmul():
     want_clm = 6 * (matmul - model.head.dense.weight.numel() + head) + 12 * d * (n_global * (T + 1) / 2 + n_local * 65)
     assert model.flops_per_token(T, causal=False, mask_rate=0.3) == pytest.approx(want_mlm)
     assert model.flops_per_token(T, causal=True, mask_rate=1.0) == pytest.approx(want_clm)
+    every_global = tiny(layer_types=["full_attention"] * c.num_hidden_layers)
+    for causal in (False, True):  # a window that covers the whole sequence (T <= w + 1) is global attention
+        assert model.flops_per_token(50, causal) == pytest.approx(every_global.flops_per_token(50, causal))
 
 
 def test_linear_cross_entropy_matches_pytorch():
