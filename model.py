@@ -321,13 +321,13 @@ class ModernBERT(nn.Module):
         """Training FLOPs (forward + backward = 3x forward) per token, matmuls and attention. mask_rate:
         the share of positions through the head and decoder (MLM's rate; 1.0 for CLM). Keys per query:
         seq_len in a global layer (half on average when causal), 2w+1 = 129 in a local one (w+1 when
-        causal), ignoring the shorter windows at the sequence edges."""
+        causal) but never more than in a global one, ignoring the shorter windows at the sequence edges."""
         c = self.config
         d, w = c.hidden_size, c.window
         body = c.num_hidden_layers * (4 * d * d + 3 * d * c.intermediate_size)  # Wqkv, Wo, Wi, Wo
         head = d * d + d * c.vocab_size  # head.dense and the decoder, per predicted token
         global_keys = (seq_len + 1) / 2 if causal else seq_len
-        local_keys = min(w + 1 if causal else 2 * w + 1, seq_len)
+        local_keys = min(w + 1 if causal else 2 * w + 1, global_keys)  # a window past both ends sees it all
         keys = sum(global_keys if kind == "full_attention" else local_keys for kind in c.layer_types)
         return 6 * (body + mask_rate * head) + 12 * d * keys  # QK^T and PV: 2 * 2d per key, x3
 

@@ -235,6 +235,24 @@ def test_flex_forward_matches_sdpa_on_cpu(causal, with_docs, with_padding):
     assert (out["flex"] - out["sdpa"])[real].abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("separate_docs", [False, True], ids=["across", "separate"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_flex_block_masks_keep_each_rows_own_blocks(causal, separate_docs):
+    """On a GPU FlexAttention skips the blocks of keys its block mask leaves out: row by row, it keeps exactly the
+    blocks in which the rule keeps a key. (The eager CPU kernel applies the rule to every key, so the outputs above
+    cannot show a row run with another row's blocks.) The shortest row first: its skipped blocks are others' keys."""
+    T, cpu = 300, torch.device("cpu")
+    token_mask = torch.arange(T)[None, :] < torch.tensor([37, 150, 300])[:, None]
+    doc_ids = torch.arange(T)[None].expand(3, T) // 70 if separate_docs else None
+    for local in (False, True):
+        blocks = kernels.Flex.build_mask(M.mask_rule, T, cpu, causal, WINDOW, local, token_mask, doc_ids)
+        size, n = blocks.BLOCK_SIZE[0], -(-T // blocks.BLOCK_SIZE[0])
+        dense = kernels.SDPA.build_mask(M.mask_rule, T, cpu, causal, WINDOW, local, token_mask, doc_ids)  # (B, 1, T, T)
+        dense = torch.nn.functional.pad(dense, (0, n * size - T, 0, n * size - T))
+        want = dense.view(3, 1, n, size, n, size).any(5).any(3)  # (B, 1, query blocks, key blocks)
+        assert torch.equal(blocks.to_dense().bool(), want), local
+
+
 @pytest.mark.parametrize("name", ["sdpa", "flex"])
 def test_a_backend_is_picked_for_training_only_where_it_has_a_backward(name):
     """The table's `trains` against PyTorch itself on a CPU (FlexAttention has no CPU backward in torch 2.13): what

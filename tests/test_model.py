@@ -113,6 +113,55 @@ def test_the_check_at_a_save_runs_a_copy_of_a_compiled_model_and_leaves_all_as_i
     assert "warning" not in capsys.readouterr().err
 
 
+def test_the_check_at_a_save_leaves_a_cpu_model_training(tmp_path):
+    """On a CPU in fp32 the check runs the model itself, in eval mode: training goes on after it in train mode (with
+    dropout, as configured), with the backend it had."""
+    from machinery.hf import check_saved
+    model = tiny_model(attention_dropout=0.1).train()
+    model.backend = "sdpa"
+    model.save_pretrained(tmp_path)
+    assert check_saved(model, str(tmp_path)) == {"model.py": 0.0, "transformers": 0.0}
+    assert all(m.training for m in model.modules()) and model.backend == "sdpa"
+
+
+def test_a_failed_save_leaves_the_weights_saved_before(tmp_path, monkeypatch):
+    """model.safetensors is written whole or not at all: a save that fails half way (a full disk) over a checkpoint
+    leaves that checkpoint's weights as they were."""
+    import safetensors.torch
+    tiny_model().save_pretrained(tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+
+    def full_disk(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        tiny_model(seed=1).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_every_blocks_output_matches_transformers(tmp_path):
+    """encode(all_layers=True), what CKA compares: each block's output before final_norm, as transformers' layers
+    give it (read with forward hooks); final_norm of the last one is encode's output."""
+    hf = hf_checkpoint(tmp_path, SHAPES[1])
+    ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
+    ids, mask = padded_batch(300)
+    seen = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: seen.append(out)) for layer in hf.model.layers]
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask)
+        got = ours.encode(ids, mask, all_layers=True)
+        last = ours.model.final_norm(got[-1])
+    for hook in hooks:
+        hook.remove()
+    real = mask.bool()
+    assert len(got) == len(seen) == SHAPES[1]["num_hidden_layers"]
+    for layer, (a, b) in enumerate(zip(got, seen)):
+        assert (a - b)[real].abs().max().item() <= 1e-4, layer
+    assert torch.equal(last[real], ours.encode(ids, mask)[real])
+
+
 def test_loss_matches_transformers_with_sparse_prediction(tmp_path):
     hf = hf_checkpoint(tmp_path, SHAPES[0])
     ours = ModernBERT.from_pretrained(str(tmp_path)).eval()
@@ -375,6 +424,13 @@ def test_preset_sizes_match_transformers(name):
     assert ours.config.hidden_size // ours.config.num_attention_heads == 64 or name == "tiny"
 
 
+def test_config_defaults_are_modernberts_as_transformers_has_them(tmp_path):
+    """What a run from scratch builds on (every preset keeps the rest of the defaults): transformers' default
+    ModernBertConfig, ModernBERT-base's, read back field by field (rotary bases, norm eps, window, init, ids)."""
+    transformers.ModernBertConfig().save_pretrained(tmp_path)
+    assert ModernBERTConfig.read(tmp_path / "config.json") == ModernBERTConfig()
+
+
 CORRUPT_CONFIGS = [  # (change to a valid config.json, the field the error must name)
     (dict(vocab_size=4_000_000_000), "vocab_size"),
     (dict(vocab_size=4e9), "vocab_size"),
@@ -431,10 +487,28 @@ def test_megatron_init():
     assert emb is model.decoder.weight
     assert abs(emb.std().item() - std * 0.88) < 0.002  # a +-2 sigma truncated normal has std 0.88 sigma
     assert emb.abs().max().item() <= 2 * std
-    wo = model.model.layers[2].mlp.Wo.weight
-    assert abs(wo.std().item() - out_std * 0.88) < 0.001 and wo.abs().max().item() <= 2 * out_std
+    for wo in (model.model.layers[2].mlp.Wo.weight, model.model.layers[2].attn.Wo.weight):  # both write the residual
+        assert abs(wo.std().item() - out_std * 0.88) < 0.001 and wo.abs().max().item() <= 2 * out_std
     assert abs(model.head.dense.weight.std().item() - std * 0.88) < 0.002
     assert torch.equal(model.model.final_norm.weight, torch.ones(128)) and not model.decoder.bias.any()
+
+
+def test_attention_dropout_drops_in_training_only():
+    """attention_dropout (train.py's --dropout) is inverted dropout on the attention's output: in eval mode the model
+    computes bit for bit what it does without it; in training a share p of the outputs is zero and the rest is the
+    eval output scaled by 1 / (1 - p)."""
+    p, T = 0.5, 100
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    model = tiny(attention_dropout=p)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], tiny()(ids)[0])
+        attn = model.model.layers[1].attn
+        x = torch.randn(2, T, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        args = model_rope(model, T, attn.local), SDPA(2, T, x.device, False, model.config.window, rule=mask_rule)
+        kept, dropped = attn(x, *args), attn.train()(x, *args)
+    zero = dropped == 0
+    assert abs(zero.float().mean().item() - p) < 0.02 and not (kept == 0).any()
+    assert torch.allclose(dropped[~zero], kept[~zero] / (1 - p), rtol=1e-6, atol=0)
 
 
 def test_param_groups_split_by_ndim():
@@ -459,6 +533,9 @@ def test_flops_per_token_counts_every_matmul():
     want_clm = 6 * (matmul - model.head.dense.weight.numel() + head) + 12 * d * (n_global * (T + 1) / 2 + n_local * 65)
     assert model.flops_per_token(T, causal=False, mask_rate=0.3) == pytest.approx(want_mlm)
     assert model.flops_per_token(T, causal=True, mask_rate=1.0) == pytest.approx(want_clm)
+    every_global = tiny(layer_types=["full_attention"] * c.num_hidden_layers)
+    for causal in (False, True):  # a window that covers the whole sequence (T <= w + 1) is global attention
+        assert model.flops_per_token(50, causal) == pytest.approx(every_global.flops_per_token(50, causal))
 
 
 def test_linear_cross_entropy_matches_pytorch():
@@ -503,7 +580,23 @@ def test_the_fused_loss_equals_the_plain_one_on_the_page(causal):
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         assert (p.grad - q.grad).abs().max().item() < 1e-12, name
     none = torch.full_like(labels, IGNORE_INDEX)
-    assert plain(ids, labels=none)[1].item() == fused(ids, labels=none)[1].item() == 0.0
+    for model in (plain, fused):  # a batch with nothing to predict: a loss of 0 and gradients of 0, no error
+        model.zero_grad()
+        loss = model(ids, labels=none)[1]
+        loss.backward()
+        assert loss.item() == 0.0 and not any(p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+def test_an_edit_to_the_loss_on_the_page_is_what_trains(monkeypatch):
+    """The default (loss=plain) runs model.py's cross_entropy as it is now: an edit there (here, the loss doubled)
+    changes the loss the model returns, and its gradients."""
+    import model
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.rand(2, 40, generator=torch.Generator().manual_seed(1)) < 0.3, ids, IGNORE_INDEX)
+    want = tiny()(ids, labels=labels)[1].item()
+    plain = model.cross_entropy
+    monkeypatch.setattr(model, "cross_entropy", lambda h, w, b, y: 2 * plain(h, w, b, y))
+    assert tiny()(ids, labels=labels)[1].item() == pytest.approx(2 * want, rel=1e-6)
 
 
 def test_a_fused_loss_is_refused_once_the_loss_on_the_page_is_edited(monkeypatch):
