@@ -34,7 +34,8 @@ IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and 
 #   positions  (P,) the position of each row the blocks see, for RoPE
 #   unpad(x)   (B, T, d) -> the layout the blocks run in
 #   attend(q, k, v, local)  q, k, v (..., H, D) in that layout -> (..., H, D)
-#   repad(x)   the blocks' layout -> (B, T, d), padding rows zero
+#   repad(x)   the blocks' layout -> (B, T, d); padding rows hold anything (zeros after flash, computed
+#              values elsewhere): whoever reads them weights by token_mask
 # token_mask (B, T) bool marks real tokens (None: all real); doc_ids (B, T) keeps packed documents apart
 # when given (None: attention crosses document boundaries). Which key a query may see is model.py's to say: it
 # hands every backend its rule (`rule`: model.mask_rule) and its attention written out (`reference`).
