@@ -269,7 +269,8 @@ def main(ev, argv=None):
     result = command(**args)
     params = inspect.signature(command).parameters
     out = args.get("out", params["out"].default if "out" in params else None)
-    out = out or (result if isinstance(result, str) else None)  # a file it chose itself (curves: a run's loss.png)
+    # a file it chose itself (curves: a run's loss.png); a command without --out (table) returns its text
+    out = out or (result if isinstance(result, str) and "out" in params else None)
     if result is not None and out:  # a command that wrote a file says so (None: it wrote nothing, no matplotlib)
         print(wrote(out))
     return result
