@@ -9,7 +9,7 @@ import types
 from pathlib import Path
 
 from machinery import compare
-from machinery.cli import Parser, pick_threads, positive_float, positive_int, run
+from machinery.cli import Parser, importing, pick_threads, positive_float, positive_int, run
 
 
 def seed_list(text):
@@ -214,6 +214,7 @@ def check_command_line(path):
     argv = sys.argv[1:]
     if argv and not {"-h", "--help"} & set(argv):
         run(lambda _: parser(sketch(path), sketch(Path(__file__).with_name("needle.py"))).parse_args(argv))
+    importing()  # Ctrl-C during the imports: one line
 
 
 def sketch(path):

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from machinery.cli import MAX_THREADS, InputError, did_you_mean, run
+from machinery.cli import MAX_THREADS, InputError, did_you_mean, importing, run
 from machinery.cli import out_of_memory as allocation_failed
 from machinery.hf import hub_id_problem
 
@@ -55,6 +55,7 @@ def check_command_line(script, config="Config"):
     a busy one), against the names and types of its `config` dataclass read from its source: a mistyped flag is
     answered at once, in one line (exit status 2). The script parses them again once it runs."""
     run(lambda _: parse_types(sys.argv[1:], source_field_types(script, config)))
+    importing()  # Ctrl-C during the imports: one line
 
 
 def checkpoint_fields(config_cls):

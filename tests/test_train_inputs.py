@@ -709,6 +709,22 @@ def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
         assert result.stderr.strip() == said and result.returncode == (1 if said.startswith("torch") else 2)
 
 
+@pytest.mark.parametrize("argv", [["train.py", "--tokens=500k"], ["data.py", "docstrings", "--out", "d.jsonl"],
+                                  ["eval.py", "curves", "out/run"]], ids=["train.py", "data.py", "eval.py"])
+def test_ctrl_c_while_torch_is_imported_is_one_line(argv, tmp_path):
+    """Ctrl-C after the flags are checked, while the script imports torch (seconds, a minute on a busy machine):
+    one line and exit status 130, as a stop during the run is, not the traceback of the module that was loading."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("import sys, time\nprint('importing', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / argv[0]), *argv[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout.readline() == "importing\n"
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "stopped by SIGINT\n")
+
+
 def test_none_is_no_tracker_as_hugging_face_says_it():
     from machinery import tracking
     assert tracking.names("none") == [] and tracking.where("none", "out/run") == []
