@@ -493,6 +493,8 @@ def check_start(cfg, how, state, config_cls):
     """Where the run starts against what it asks for: the chain of phases, the counters of the checkpoint
     it starts from, the device and the attention backend. `how`: fresh | weights | handoff | resume."""
     if cfg.recipe == "demo" and how == "weights" and not os.path.isfile(os.path.join(cfg.init_from, "run.json")):
+        if not os.path.exists(cfg.init_from):  # most often a run's path mistyped: not a call for another recipe
+            raise InputError(f"--init_from={cfg.init_from}: no such folder, so no run of train.py to continue")
         raise InputError(f"--recipe=demo trains a tiny model; --init_from={cfg.init_from} (a pretrained "
                          f"checkpoint) needs --recipe=paper or another recipe")
     if cfg.phase == "decay" and how == "fresh":

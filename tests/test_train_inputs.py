@@ -199,6 +199,13 @@ def test_hub_ids_are_those_the_hub_takes():
         assert (hub_id_problem(text) is None) == (hub_takes(text) and "/" in text), text
 
 
+def test_a_mistyped_run_to_continue_is_named_as_missing_under_the_demo_recipe(demo_corpus, tmp_path, capsys):
+    """`python train.py --phase=decay --init_from=out/code-clmm` (a typo) under the default recipe: the folder is not
+    there, which is what the user must hear, not that the demo takes no pretrained checkpoint."""
+    fails(capsys, ["--phase=decay", "--init_from=out/mistyped", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
+          "--init_from=out/mistyped: no such folder, so no run of train.py to continue")
+
+
 def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(demo_corpus, tmp_path, capsys):
     """The card's base model is --init_from's hub id only where it is one: a path that is not there is an error of
     --init_from, never of a --base_model the user did not give."""
