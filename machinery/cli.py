@@ -58,10 +58,26 @@ def stop_on_sigterm():
             signal.signal(sig, handler)
 
 
+def importing():
+    """Called once a script's flags are checked, before it imports torch (seconds on an idle machine, a minute on a
+    busy one): until `run` calls its main, Ctrl-C ends the process with one line, as a stop inside `run` does, not
+    with the traceback of whichever module was loading. Nothing is written by then, so it ends there and then."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell left Ctrl-C ignored
+        signal.signal(signal.SIGINT, stopped_while_importing)
+
+
+def stopped_while_importing(signum, frame):
+    if reports_errors():
+        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def run(main, argv=None):
     """Call main(argv). An InputError becomes one line on stderr (rank 0 only under torchrun) and exit 2;
     so does a collective that waited past its timeout (a peer stalled or died), never a hang. A stop (Ctrl-C, or
     a SIGTERM the command turned into one) is one line too, never a traceback."""
+    if signal.getsignal(signal.SIGINT) is stopped_while_importing:  # main's stops unwind: its `with` blocks clean up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         check_planned_code()  # reads the code now, as near its imports as a process gets: what it records ran
         return main(argv)

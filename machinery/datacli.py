@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machinery.cli import InputError, Parser, check_outputs, run, usable_cores
+from machinery.cli import InputError, Parser, check_outputs, importing, run, usable_cores
 from machinery.prepare import (HELD_OUT_EVERY, find_sources, make_writable_dir, read_documents, write_code,
                                write_docstrings, write_file)
 from machinery.tokenfiles import SPLITS, load_meta, split_tokens
@@ -147,6 +147,7 @@ def check_command_line(description):
     one is answered at once, in one line (exit status 2); --help is printed. main parses them again."""
     if sys.argv[1:]:
         run(lambda _: make_parser(description).parse_args(sys.argv[1:]))
+    importing()  # Ctrl-C during the imports: one line
 
 
 def main(data, argv=None):

@@ -9,7 +9,7 @@ import types
 from pathlib import Path
 
 from machinery import compare
-from machinery.cli import Parser, pick_threads, positive_float, positive_int, run
+from machinery.cli import Parser, importing, pick_threads, positive_float, positive_int, run
 
 
 def seed_list(text):
@@ -214,6 +214,7 @@ def check_command_line(path):
     argv = sys.argv[1:]
     if argv and not {"-h", "--help"} & set(argv):
         run(lambda _: parser(sketch(path), sketch(Path(__file__).with_name("needle.py"))).parse_args(argv))
+    importing()  # Ctrl-C during the imports: one line
 
 
 def sketch(path):
@@ -269,7 +270,8 @@ def main(ev, argv=None):
     result = command(**args)
     params = inspect.signature(command).parameters
     out = args.get("out", params["out"].default if "out" in params else None)
-    out = out or (result if isinstance(result, str) else None)  # a file it chose itself (curves: a run's loss.png)
+    # a file it chose itself (curves: a run's loss.png); a command without --out (table) returns its text
+    out = out or (result if isinstance(result, str) and "out" in params else None)
     if result is not None and out:  # a command that wrote a file says so (None: it wrote nothing, no matplotlib)
         print(wrote(out))
     return result

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from machinery.cli import MAX_THREADS, InputError, did_you_mean, run
+from machinery.cli import MAX_THREADS, InputError, did_you_mean, importing, run
 from machinery.cli import out_of_memory as allocation_failed
 from machinery.hf import hub_id_problem
 
@@ -55,6 +55,7 @@ def check_command_line(script, config="Config"):
     a busy one), against the names and types of its `config` dataclass read from its source: a mistyped flag is
     answered at once, in one line (exit status 2). The script parses them again once it runs."""
     run(lambda _: parse_types(sys.argv[1:], source_field_types(script, config)))
+    importing()  # Ctrl-C during the imports: one line
 
 
 def checkpoint_fields(config_cls):
@@ -492,6 +493,8 @@ def check_start(cfg, how, state, config_cls):
     """Where the run starts against what it asks for: the chain of phases, the counters of the checkpoint
     it starts from, the device and the attention backend. `how`: fresh | weights | handoff | resume."""
     if cfg.recipe == "demo" and how == "weights" and not os.path.isfile(os.path.join(cfg.init_from, "run.json")):
+        if not os.path.exists(cfg.init_from):  # most often a run's path mistyped: not a call for another recipe
+            raise InputError(f"--init_from={cfg.init_from}: no such folder, so no run of train.py to continue")
         raise InputError(f"--recipe=demo trains a tiny model; --init_from={cfg.init_from} (a pretrained "
                          f"checkpoint) needs --recipe=paper or another recipe")
     if cfg.phase == "decay" and how == "fresh":

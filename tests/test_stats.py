@@ -546,6 +546,14 @@ def test_table_reads_replicates_separated_by_commas(tmp_path):
     assert "3 pretraining run(s) per arm x 2 fine-tuning seed(s)" in text and "80% of the time" in text
 
 
+def test_the_table_command_prints_its_table_once(tmp_path, capsys):
+    """`eval.py table` prints the comparison and writes no file, so it says `wrote` of nothing (it printed the table
+    a second time after `wrote `, taking the text it returns for a file it had written)."""
+    ref, x = arm(tmp_path, "ref", {"-": (0.5, 0.5)})["-"], arm(tmp_path, "x", {"-": (0.9, 0.9)})["-"]
+    text = ev.main(["table", ",".join(map(str, ref)), ",".join(map(str, x))])
+    assert capsys.readouterr().out == text and "wrote" not in text
+
+
 def test_a_table_of_one_pretraining_run_says_what_its_intervals_count_and_where_settings_were_chosen(tmp_path):
     """One pretraining run per arm: with one fine-tuning seed the interval is the test examples' alone (the runs' part
     is 0), and the table says so rather than that it counts seeds; with several settings, a run's is chosen on the

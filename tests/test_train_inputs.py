@@ -199,6 +199,13 @@ def test_hub_ids_are_those_the_hub_takes():
         assert (hub_id_problem(text) is None) == (hub_takes(text) and "/" in text), text
 
 
+def test_a_mistyped_run_to_continue_is_named_as_missing_under_the_demo_recipe(demo_corpus, tmp_path, capsys):
+    """`python train.py --phase=decay --init_from=out/code-clmm` (a typo) under the default recipe: the folder is not
+    there, which is what the user must hear, not that the demo takes no pretrained checkpoint."""
+    fails(capsys, ["--phase=decay", "--init_from=out/mistyped", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
+          "--init_from=out/mistyped: no such folder, so no run of train.py to continue")
+
+
 def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(demo_corpus, tmp_path, capsys):
     """The card's base model is --init_from's hub id only where it is one: a path that is not there is an error of
     --init_from, never of a --base_model the user did not give."""
@@ -707,6 +714,22 @@ def test_a_mistyped_flag_is_answered_before_torch_is_imported(tmp_path):
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True,
                                 env=env, cwd=tmp_path)
         assert result.stderr.strip() == said and result.returncode == (1 if said.startswith("torch") else 2)
+
+
+@pytest.mark.parametrize("argv", [["train.py", "--tokens=500k"], ["data.py", "docstrings", "--out", "d.jsonl"],
+                                  ["eval.py", "curves", "out/run"]], ids=["train.py", "data.py", "eval.py"])
+def test_ctrl_c_while_torch_is_imported_is_one_line(argv, tmp_path):
+    """Ctrl-C after the flags are checked, while the script imports torch (seconds, a minute on a busy machine):
+    one line and exit status 130, as a stop during the run is, not the traceback of the module that was loading."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("import sys, time\nprint('importing', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / argv[0]), *argv[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout.readline() == "importing\n"
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "stopped by SIGINT\n")
 
 
 def test_none_is_no_tracker_as_hugging_face_says_it():
