@@ -117,6 +117,13 @@ def test_cka_command(byte_models, texts, tmp_path, capsys):
     alone = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
                    batch_size=1, device="cpu")
     assert alone["cka"] == pytest.approx(r["cka"], abs=1e-6)
+    # each draw's CKA is over its own texts: its rows of the features computed once over every draw's texts
+    pool, tok = [json.loads(line)["text"] for line in texts.read_text().splitlines()], load_tokenizer("bytes")
+    models = [ModernBERT.from_pretrained(x).eval() for x in (a, b)]
+    for seed in (1, 2):
+        chosen = [pool[i] for i in np.random.default_rng(seed).choice(len(pool), 10, replace=False)]
+        A, B = (ev.layer_means(m, tok, chosen, 48, 4, torch.device("cpu")) for m in models)
+        assert r["per_seed"][seed]["pairs"][0] == pytest.approx(list(map(ev.linear_cka, A, B)), abs=1e-6)
     same = ev.cka(a, a, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "same.json", device="cpu")
     assert max(abs(d) for d in same["divergence"]) <= 1e-10  # a model against itself: a check
     with pytest.raises(InputError, match="has the same folder as"):  # a control must be another run
@@ -151,6 +158,7 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
     for i, row in enumerate(controls):
         assert row == pytest.approx(one(A[i], C[i], f"c{i}.json"), abs=1e-12)
     pairs = 1 - np.array([s["pairs"] for s in r["per_seed"].values()])  # (draws, replicates, layers)
+    assert r["divergence_draw_sd"] == pytest.approx(pairs.mean(1).std(0, ddof=1))  # the mean's sd between draws
     for layer in r["layers"]:  # the band's draw term: how the pair's mean log divergence moves between draws
         expected = ev.band(each[:, layer], controls[:, layer], np.log(pairs).mean(1)[:, layer].std(ddof=1), 2)
         assert r["band"]["bound"][layer] == pytest.approx(expected["bound"])
