@@ -397,6 +397,27 @@ def test_fit_pair_cuts_the_longer_first():
                 assert ev.fit_pair(list(range(la)), list(range(lb)), budget) == (a, b)
 
 
+def test_sequence_encoding_holds_max_len_tokens_with_its_special_tokens():
+    tok, single = load_tokenizer("bytes"), ev.KINDS["single"]
+    examples = [{"text": "abcdefghij", "text_pair": None, "label": "x"},
+                {"text": "abcdefghij", "text_pair": "klm", "label": "y"}]
+    (ids, target), (pair, pair_target) = single.encode(["x", "y"], examples, tok, max_len=8)
+    assert ids == [256, *b"abcdef", 257] and target == 0  # [CLS] text [SEP]: 8 tokens
+    assert pair == [256, *b"abc", 257, *b"kl", 257] and pair_target == 1  # fit_pair's cut, two [SEP]s
+
+
+def test_each_word_is_read_at_its_first_subtoken_and_a_label_where_its_probability_passes_one_half():
+    """A word whose tag train lacks (UNSEEN) is still a word: its prediction keeps its place; words cut by max_len
+    are "O". Multi-label: a label is predicted where its sigmoid is above 0.5 (torch's)."""
+    logits = torch.tensor([[9.0, 0, 0], [0, 9, 0], [9, 0, 0], [0, 0, 9], [0, 9, 0], [9, 0, 0]])  # (T, C)
+    target = torch.tensor([-100, 0, -100, ev.UNSEEN, 2, -100])  # [CLS], word 1 (2 pieces), word 2, word 3, [SEP]
+    example = {"words": ["w1", "w2", "w3", "cut"]}
+    assert ev.KINDS["token"].decode(logits, target, example, ["B-D", "I-D", "O"]) == ["I-D", "O", "I-D", "O"]
+    z, labels = torch.tensor([0.3, -0.2, 0.0, 2.0, 0.45]), ["a", "b", "c", "d", "e"]
+    want = [label for label, p in zip(labels, torch.sigmoid(z)) if p > 0.5]
+    assert ev.KINDS["multi"].decode(z, None, None, labels) == want == ["a", "d", "e"]
+
+
 # ----------------------------------------------------------------------------
 # Fine-tuning
 
