@@ -491,6 +491,79 @@ def test_finetune_multilabel(byte_models, tmp_path):
     assert r["mean"]["micro_f1"] > 0.6
 
 
+@pytest.mark.parametrize("pooling", ["cls", "mean", None])  # None: a token task
+def test_the_classifier_is_transformers_classification_model(tmp_path, pooling):
+    """Classifier on a saved model gives the logits of transformers' ModernBertForSequenceClassification ([CLS] or
+    the mean over real tokens) or ModernBertForTokenClassification loaded from the same folder, with the same
+    linear layer: encoder, the pretrained head transform, classifier; on a padded batch."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model(0)
+    with torch.no_grad():
+        model.head.norm.weight.add_(0.5 * torch.randn_like(model.head.norm.weight))  # so that a dropped norm shows
+    model.save_pretrained(tmp_path)
+    ours = ev.Classifier(ModernBERT.from_pretrained(tmp_path), 5, pooling is None, pooling or "cls").eval()
+    hf = (transformers.ModernBertForTokenClassification if pooling is None else
+          transformers.ModernBertForSequenceClassification).from_pretrained(
+        tmp_path, num_labels=5, classifier_pooling=pooling or "cls", attn_implementation="sdpa").eval()
+    hf.classifier.load_state_dict(ours.classifier.state_dict())
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(20) < torch.tensor([[20], [13], [5]])).long()
+    ids[mask == 0] = BYTE_IDS["pad_token_id"]
+    with torch.no_grad():
+        got, want = ours(ids, mask), hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool() if pooling is None else slice(None)
+    assert got.shape == want.shape and (got - want)[real].abs().max().item() < 1e-4
+
+
+def test_test_is_scored_once_with_the_weights_of_the_best_dev_point(byte_models, tmp_path, monkeypatch):
+    """Dev is scored at each point, test once, with the weights of the point whose dev score was best: here the
+    first of two (its score forced), not the last weights."""
+    task = multilabel_task(tmp_path / "animals")
+    real, weights = ev.evaluate, []
+
+    def evaluate(model, task, split, s):  # each call's weights; every dev score below the one before
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        scores, preds = real(model, task, split, s)
+        return {**scores, "macro_f1": 1 / len(weights)}, preds
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    r = ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "r.json", epochs=2, lr=2e-3, max_len=48,
+                    pooling="mean", device="cpu")["tasks"]["animals"]["seeds"]["1"]
+    first, last, test = weights  # dev after epochs 1 and 2, then test
+    assert (r["best_step"], r["steps"]) == (6, 12) and not all(torch.equal(first[k], last[k]) for k in first)
+    assert all(torch.equal(first[k], test[k]) for k in first)
+
+
+def test_fine_tuning_decays_and_schedules_as_transformers_trainer(byte_models, tmp_path, monkeypatch):
+    """AdamW decays (0.01) exactly the parameters transformers' Trainer decays (no biases, no norms), and each
+    optimizer step runs at the learning rate of transformers' linear schedule without warmup."""
+    transformers = pytest.importorskip("transformers")
+    task = multilabel_task(tmp_path / "animals")
+    real, made, lrs = ev.optimizer_for, [], []
+
+    def optimizer_for(model, lr):
+        optimizer = real(model, lr)
+        optimizer.register_step_pre_hook(lambda o, args, kwargs: lrs.append(o.param_groups[0]["lr"]))
+        made.append((model, optimizer))
+        return optimizer
+    monkeypatch.setattr(ev, "optimizer_for", optimizer_for)
+    ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "r.json", epochs=2, lr=1e-3, max_len=48,
+                pooling="mean", device="cpu")
+    (model, optimizer), = made
+    names = {id(p): name for name, p in model.named_parameters()}
+    decay = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.01 for p in g["params"]}
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.01}
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(names)
+    hf = set(transformers.Trainer.get_decay_parameter_names(None, model)) & set(names.values())  # tied: named once
+    assert decay == hf
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule, want = transformers.get_linear_schedule_with_warmup(reference, 0, 12), []
+    for _ in range(12):
+        want.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
 def test_finetune_runs_without_dropout_whatever_the_pretraining_used(byte_models, tmp_path, capsys):
     """A checkpoint pretrained with --dropout=0.1 (its config says so) is fine-tuned as the same weights without it:
     the same train losses and predictions, seed for seed, so that arms differ by their pretraining alone."""
