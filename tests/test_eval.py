@@ -117,6 +117,13 @@ def test_cka_command(byte_models, texts, tmp_path, capsys):
     alone = ev.cka(a, b, texts, controls=[c], n=10, seeds=(1, 2), max_len=48, out=tmp_path / "alone.json",
                    batch_size=1, device="cpu")
     assert alone["cka"] == pytest.approx(r["cka"], abs=1e-6)
+    # each draw's CKA is over its own texts: its rows of the features computed once over every draw's texts
+    pool, tok = [json.loads(line)["text"] for line in texts.read_text().splitlines()], load_tokenizer("bytes")
+    models = [ModernBERT.from_pretrained(x).eval() for x in (a, b)]
+    for seed in (1, 2):
+        chosen = [pool[i] for i in np.random.default_rng(seed).choice(len(pool), 10, replace=False)]
+        A, B = (ev.layer_means(m, tok, chosen, 48, 4, torch.device("cpu")) for m in models)
+        assert r["per_seed"][seed]["pairs"][0] == pytest.approx(list(map(ev.linear_cka, A, B)), abs=1e-6)
     same = ev.cka(a, a, texts, n=10, seeds=(1, 2), max_len=48, out=tmp_path / "same.json", device="cpu")
     assert max(abs(d) for d in same["divergence"]) <= 1e-10  # a model against itself: a check
     with pytest.raises(InputError, match="has the same folder as"):  # a control must be another run
@@ -151,6 +158,7 @@ def test_cka_of_replicates(byte_models, texts, tmp_path, capsys):
     for i, row in enumerate(controls):
         assert row == pytest.approx(one(A[i], C[i], f"c{i}.json"), abs=1e-12)
     pairs = 1 - np.array([s["pairs"] for s in r["per_seed"].values()])  # (draws, replicates, layers)
+    assert r["divergence_draw_sd"] == pytest.approx(pairs.mean(1).std(0, ddof=1))  # the mean's sd between draws
     for layer in r["layers"]:  # the band's draw term: how the pair's mean log divergence moves between draws
         expected = ev.band(each[:, layer], controls[:, layer], np.log(pairs).mean(1)[:, layer].std(ddof=1), 2)
         assert r["band"]["bound"][layer] == pytest.approx(expected["bound"])
@@ -389,6 +397,27 @@ def test_fit_pair_cuts_the_longer_first():
                 assert ev.fit_pair(list(range(la)), list(range(lb)), budget) == (a, b)
 
 
+def test_sequence_encoding_holds_max_len_tokens_with_its_special_tokens():
+    tok, single = load_tokenizer("bytes"), ev.KINDS["single"]
+    examples = [{"text": "abcdefghij", "text_pair": None, "label": "x"},
+                {"text": "abcdefghij", "text_pair": "klm", "label": "y"}]
+    (ids, target), (pair, pair_target) = single.encode(["x", "y"], examples, tok, max_len=8)
+    assert ids == [256, *b"abcdef", 257] and target == 0  # [CLS] text [SEP]: 8 tokens
+    assert pair == [256, *b"abc", 257, *b"kl", 257] and pair_target == 1  # fit_pair's cut, two [SEP]s
+
+
+def test_each_word_is_read_at_its_first_subtoken_and_a_label_where_its_probability_passes_one_half():
+    """A word whose tag train lacks (UNSEEN) is still a word: its prediction keeps its place; words cut by max_len
+    are "O". Multi-label: a label is predicted where its sigmoid is above 0.5 (torch's)."""
+    logits = torch.tensor([[9.0, 0, 0], [0, 9, 0], [9, 0, 0], [0, 0, 9], [0, 9, 0], [9, 0, 0]])  # (T, C)
+    target = torch.tensor([-100, 0, -100, ev.UNSEEN, 2, -100])  # [CLS], word 1 (2 pieces), word 2, word 3, [SEP]
+    example = {"words": ["w1", "w2", "w3", "cut"]}
+    assert ev.KINDS["token"].decode(logits, target, example, ["B-D", "I-D", "O"]) == ["I-D", "O", "I-D", "O"]
+    z, labels = torch.tensor([0.3, -0.2, 0.0, 2.0, 0.45]), ["a", "b", "c", "d", "e"]
+    want = [label for label, p in zip(labels, torch.sigmoid(z)) if p > 0.5]
+    assert ev.KINDS["multi"].decode(z, None, None, labels) == want == ["a", "d", "e"]
+
+
 # ----------------------------------------------------------------------------
 # Fine-tuning
 
@@ -460,6 +489,79 @@ def test_finetune_multilabel(byte_models, tmp_path):
     assert r["kind"] == "multi" and r["labels"] == ["cat", "dog", "owl"]
     assert r["baseline"]["test"]["micro_f1"] == 0.0  # no animal is named in more than half of the texts
     assert r["mean"]["micro_f1"] > 0.6
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean", None])  # None: a token task
+def test_the_classifier_is_transformers_classification_model(tmp_path, pooling):
+    """Classifier on a saved model gives the logits of transformers' ModernBertForSequenceClassification ([CLS] or
+    the mean over real tokens) or ModernBertForTokenClassification loaded from the same folder, with the same
+    linear layer: encoder, the pretrained head transform, classifier; on a padded batch."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model(0)
+    with torch.no_grad():
+        model.head.norm.weight.add_(0.5 * torch.randn_like(model.head.norm.weight))  # so that a dropped norm shows
+    model.save_pretrained(tmp_path)
+    ours = ev.Classifier(ModernBERT.from_pretrained(tmp_path), 5, pooling is None, pooling or "cls").eval()
+    hf = (transformers.ModernBertForTokenClassification if pooling is None else
+          transformers.ModernBertForSequenceClassification).from_pretrained(
+        tmp_path, num_labels=5, classifier_pooling=pooling or "cls", attn_implementation="sdpa").eval()
+    hf.classifier.load_state_dict(ours.classifier.state_dict())
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(20) < torch.tensor([[20], [13], [5]])).long()
+    ids[mask == 0] = BYTE_IDS["pad_token_id"]
+    with torch.no_grad():
+        got, want = ours(ids, mask), hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool() if pooling is None else slice(None)
+    assert got.shape == want.shape and (got - want)[real].abs().max().item() < 1e-4
+
+
+def test_test_is_scored_once_with_the_weights_of_the_best_dev_point(byte_models, tmp_path, monkeypatch):
+    """Dev is scored at each point, test once, with the weights of the point whose dev score was best: here the
+    first of two (its score forced), not the last weights."""
+    task = multilabel_task(tmp_path / "animals")
+    real, weights = ev.evaluate, []
+
+    def evaluate(model, task, split, s):  # each call's weights; every dev score below the one before
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        scores, preds = real(model, task, split, s)
+        return {**scores, "macro_f1": 1 / len(weights)}, preds
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    r = ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "r.json", epochs=2, lr=2e-3, max_len=48,
+                    pooling="mean", device="cpu")["tasks"]["animals"]["seeds"]["1"]
+    first, last, test = weights  # dev after epochs 1 and 2, then test
+    assert (r["best_step"], r["steps"]) == (6, 12) and not all(torch.equal(first[k], last[k]) for k in first)
+    assert all(torch.equal(first[k], test[k]) for k in first)
+
+
+def test_fine_tuning_decays_and_schedules_as_transformers_trainer(byte_models, tmp_path, monkeypatch):
+    """AdamW decays (0.01) exactly the parameters transformers' Trainer decays (no biases, no norms), and each
+    optimizer step runs at the learning rate of transformers' linear schedule without warmup."""
+    transformers = pytest.importorskip("transformers")
+    task = multilabel_task(tmp_path / "animals")
+    real, made, lrs = ev.optimizer_for, [], []
+
+    def optimizer_for(model, lr):
+        optimizer = real(model, lr)
+        optimizer.register_step_pre_hook(lambda o, args, kwargs: lrs.append(o.param_groups[0]["lr"]))
+        made.append((model, optimizer))
+        return optimizer
+    monkeypatch.setattr(ev, "optimizer_for", optimizer_for)
+    ev.finetune(byte_models[0], [task], seeds=(1,), out=tmp_path / "r.json", epochs=2, lr=1e-3, max_len=48,
+                pooling="mean", device="cpu")
+    (model, optimizer), = made
+    names = {id(p): name for name, p in model.named_parameters()}
+    decay = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.01 for p in g["params"]}
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.01}
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(names)
+    hf = set(transformers.Trainer.get_decay_parameter_names(None, model)) & set(names.values())  # tied: named once
+    assert decay == hf
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule, want = transformers.get_linear_schedule_with_warmup(reference, 0, 12), []
+    for _ in range(12):
+        want.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def test_finetune_runs_without_dropout_whatever_the_pretraining_used(byte_models, tmp_path, capsys):

@@ -404,6 +404,28 @@ def test_every_kind_warns_once_and_scores_a_label_train_lacks(inputs, tmp_path, 
     assert test["macro_f1"] == pytest.approx(expected, abs=1e-12)
 
 
+def test_the_scores_a_run_records_count_the_labels_train_lacks(tmp_path):
+    """What fine-tuning records and chooses its dev point on is scored over the task's labels, those only dev or test
+    hold among them: a multi-label model that names the one label train has ("x") everywhere scores scikit-learn's
+    macro-F1 over x, w and z, a third of its F1 on x alone."""
+    from sklearn.metrics import f1_score
+    from sklearn.preprocessing import MultiLabelBinarizer
+
+    class EveryLabel(torch.nn.Module):  # a logit of 5 for train's one label, on every example
+        def forward(self, ids, mask):
+            return torch.full((len(ids), 1), 5.0)
+    unseen_label_tasks(tmp_path)
+    task, tok = read_task(tmp_path / "multi"), load_tokenizer("bytes")
+    kind = ev.kind_of(task)
+    test = (task["test"], kind.encode(task["labels"], task["test"], tok, 16))
+    s = ev.Settings(None, None, None, 1e-3, 16, 16, "cls", tok.pad_id, torch.device("cpu"))
+    scores, preds = ev.evaluate(EveryLabel(), task, test, s)
+    binary = MultiLabelBinarizer(classes=["x", "w", "z"]).fit([])
+    gold = [ex["label"] for ex in task["test"]]
+    expected = f1_score(binary.transform(gold), binary.transform(preds), average="macro", zero_division=0)
+    assert preds == [["x"]] * 3 and scores["macro_f1"] == pytest.approx(expected) == 0.5 / 3
+
+
 def test_words_cut_by_max_len_are_counted():
     tok, token = load_tokenizer("bytes"), ev.TokenClassification()
     rng = np.random.default_rng(0)

@@ -59,6 +59,21 @@ def test_power_is_the_noncentral_t_without_examples_and_detectable_solves_it_at_
     assert cmp.power(3.0, 0.5, 0.5, 2) > cmp.power(3.0, 1.0, 0.0, 2)  # same variance, more degrees of freedom
 
 
+def test_power_is_how_often_simulated_intervals_exclude_0():
+    """power() against the procedure it describes, with an examples' part beside the replicates' (200,000 simulated
+    studies a design, scipy's t): the mean normal around d, the replicates' variance estimated on k degrees of
+    freedom, the examples' known, the interval's t on Satterthwaite's degrees of freedom rounded down."""
+    from scipy.stats import t
+    rng = np.random.default_rng(0)
+    for v_runs, v_examples, k, d in ((1.0, 0.2, 2, 3.0), (1.0, 1.0, 4, 2.5), (0.5, 2.0, 3, 4.0)):
+        mean = rng.normal(d, np.sqrt(v_runs + v_examples), 200_000)
+        runs = v_runs * rng.chisquare(k, 200_000) / k
+        v = runs + v_examples
+        each, where = np.unique(np.floor(v * v / (runs * runs / k)), return_inverse=True)
+        found = np.abs(mean) > t.ppf(0.975, each)[where] * np.sqrt(v)
+        assert cmp.power(d, v_runs, v_examples, k) == pytest.approx(found.mean(), abs=0.005), (v_runs, v_examples, k)
+
+
 def test_the_detectable_range_is_the_detectable_difference_at_the_variances_confidence_bounds():
     """The range beside a detectable difference: the same computation at v * k / chi2(0.975, k) and
     v * k / chi2(0.025, k) (scipy's quantiles); more degrees of freedom narrow it."""
@@ -161,6 +176,37 @@ def test_each_runs_luck_on_the_test_examples_is_counted_once():
         iv = cmp.interval(mean_metric, b, a, resamples=300, seed=i)
         hits += iv["low"] <= 0.1 <= iv["high"]
     assert 0.92 <= hits / 300 <= 0.97, hits / 300
+
+
+def test_the_examples_parts_are_known_answers_on_orthogonal_scores():
+    """Every run's score per example is s + e_r, s and the e_r orthogonal and centred (Hadamard rows): the test
+    set's luck every run shares is var(s), each run's own var(e). The bootstrap of the mean gives N times
+    var(s) + var(e) / runs, and `measured` splits it into those two parts (to the bootstrap's noise)."""
+    from scipy.linalg import hadamard
+    H = hadamard(64)[1:6].astype(np.float64)  # rows 1..5: centred, orthogonal
+    s, e = 0.3 * H[0], 0.2 * H[1:].reshape(2, 2, 64)  # (R, S, N): 2 replicates x 2 seeds
+    x = s + e
+    m = cmp.measured(mean_metric, np.stack([x, np.ones_like(x)], -1), resamples=4000)
+    assert m["example_run_var"] == pytest.approx(0.2 ** 2, rel=0.1)
+    assert m["example_var"] == pytest.approx(0.3 ** 2 + 0.2 ** 2 / 4, rel=0.1)
+    assert cmp.shared_examples(m, 4) == pytest.approx(0.3 ** 2, rel=0.1)
+
+
+def test_the_interval_is_a_t_interval_on_satterthwaites_degrees_of_freedom():
+    """interval_of against its formula and scipy's t: v = top_var / replicates + the examples' shared part / N, df =
+    v^2 / ((top_var / replicates)^2 / top_df) rounded down, half-width t(0.975, df) sqrt(v), p two-sided."""
+    from scipy.stats import t
+    runs = np.array([[0.02, 0.05], [0.01, -0.01], [0.04, 0.03]])
+    m = {"runs": runs, "examples": 200, "example_var": 0.03, "example_run_var": 0.018}
+    v_runs, v_examples = 4e-4 / 3, (0.03 - 0.018 / 6) / 200
+    v = v_runs + v_examples
+    df = v * v / (v_runs * v_runs / 2)
+    assert 8 < df < 9
+    iv = cmp.interval_of(m, {"top_var": 4e-4, "top_df": 2})
+    assert iv["df"] == pytest.approx(df) and iv["mean"] == pytest.approx(runs.mean())
+    assert iv["half"] == pytest.approx(t.ppf(0.975, 8) * np.sqrt(v), rel=1e-9)
+    assert (iv["low"], iv["high"]) == pytest.approx((runs.mean() - iv["half"], runs.mean() + iv["half"]))
+    assert iv["p"] == pytest.approx(2 * t.sf(runs.mean() / np.sqrt(v), 8), rel=1e-6)
 
 
 def pooled_study(rng, R, S, N, sds, deltas, resamples=200, seed=0):
