@@ -489,15 +489,23 @@ def power_plan(a, s, price=lambda **_: ""):
         at = {reading: project(c, R, S, N, reading)["detectable"] for reading in READINGS}
         print(f"  {name}: {N} test examples: detects {100 * at['point']:.1f} points with 80% power "
               f"[{100 * at['low']:.1f}, {100 * at['high']:.1f}] (the runs' variance on {c['top_df']:g} degrees of "
-              f"freedom" + (f", pooled over {c['arms']} differences" if c["arms"] > 1 else "") + "); no number of "
-              f"replicates or seeds detects less than {100 * floor(c, total):.1f} on all {total} test examples (the "
-              f"part of their sampling noise that every run shares)")
+              f"freedom" + (f", pooled over {c['arms']} differences" if c["arms"] > 1 else "") + "); " +
+              floor_line(floor(c, total), total))
         for note in reading_notes(c):
             print(f"    {note}")
         for target in a.detect or ():
             ways = {reading: needed(c, target / 100, R, S, N, total, reading=reading) for reading in READINGS}
             print(f"    to detect {target:g} point{'' if target == 1 else 's'}, one change at a time: " + "; or ".join(
                 way(ways, key, total, price) for key in ("replicates", "seeds", "examples")))
+
+
+def floor_line(least, total):
+    """`floor` in words; said as about 0 where it rounds to 0.0 points (the shared part estimated at 0 or near)."""
+    if 100 * least < 0.05:
+        return (f"the part of the sampling noise on all {total} test examples that every run shares is estimated at "
+                f"about 0 (a floor under 0.05 points on what more replicates or seeds can detect)")
+    return (f"no number of replicates or seeds detects less than {100 * least:.1f} on all {total} test examples (the "
+            f"part of their sampling noise that every run shares)")
 
 
 def reading_notes(c):

@@ -626,7 +626,7 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     need(CORPUS)
     sys.path.insert(0, str(ROOT))
     import numpy as np
-    from machinery.compare import components, needed, project
+    from machinery.compare import components, floor, needed, project
     from machinery.planfiles import averaged
     rng = np.random.default_rng(0)
     runs = {arm: rng.normal(0, 0.02, (3, 2)) for arm in ("clm", "x")}
@@ -645,6 +645,9 @@ def test_the_dry_run_says_what_the_plan_can_detect(tmp_path, capsys):
     ncbi = next(line for line in text.splitlines() if line.startswith("  ncbi_disease:"))
     assert f"detects {at['point']:.1f} points with 80% power [{at['low']:.1f}, {at['high']:.1f}]" in ncbi
     assert "940 test" in ncbi and "pooled over 2 differences" in ncbi and "4 degrees of freedom" in ncbi
+    assert f"detects less than {100 * floor(c, 940):.1f} on all 940 test examples" in ncbi and floor(c, 940) > 0
+    from reproduce import floor_line
+    assert "less than" not in floor_line(0.0, 500) and "about 0" in floor_line(4e-4, 500)
     for target in (3, 2):
         ways = next(line for line in text.splitlines() if line.startswith(f"    to detect {target} points"))
         need_ = {r: needed(c, target / 100, 3, 2, 940, 940, reading=r) for r in ("point", "low", "high")}
