@@ -123,9 +123,10 @@ def test_adamw_skips_frozen_parameters_entirely():
     for frozen in (set(), {"p"}):  # one step to give p moments, then frozen with a zero gradient
         opt.frozen = frozen
         p.grad, q.grad = torch.ones(3, 3) if not frozen else torch.zeros(3, 3), torch.ones(3, 3)
-        before = p.detach().clone()
+        before, moments = p.detach().clone(), [m.clone() for m in opt.moments["p"]]
         opt.step(1e-2)
     assert torch.equal(p, before) and opt.moments["p"][0].abs().sum() > 0  # stale moments did not move it
+    assert all(map(torch.equal, opt.moments["p"], moments))  # nor did its zero gradient decay them
     assert not torch.equal(q, torch.ones(3, 3))
 
 
