@@ -176,6 +176,20 @@ def test_phase_defaults_and_flag_parsing():
             configure(bad)
 
 
+def test_a_hand_off_runs_with_its_parents_model_data_batch_and_optimizer():
+    """The decay continues the run it starts from: its architecture, data, batch, optimizer, clipping, dropout and
+    seeds, not the recipe's, unless a flag changes one; the phase sets its own objective and schedule."""
+    kept = dict(recipe="smoke", preset="mini", data="d", seq_len=64, batch_size=12, micro_batch_size=3, lr=3e-3,
+                beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.5, dropout=0.1, seed=5, data_seed=6)
+    parent = dict(config=dataclasses.asdict(train.Config(**kept, phase="clm", objective="clm")), phase_tokens=10_000)
+    cfg = train.resolve_config(dict(phase="decay", init_from="out/x"), parent=parent)
+    assert {k: getattr(cfg, k) for k in kept} == kept
+    assert (cfg.objective, cfg.mask_rate, cfg.schedule, cfg.warmup_tokens) == ("mlm", 0.15, "1-sqrt", 0)
+    assert cfg.tokens == 1000  # 10% of the parent's
+    changed = train.resolve_config(dict(phase="decay", init_from="out/x", weight_decay=0.0), parent=parent)
+    assert changed.weight_decay == 0 and changed.lr == 3e-3
+
+
 def test_freeze_specs():
     assert freeze.parse_layers("0-7", 22) == list(range(8))
     assert freeze.parse_layers("8-14", 22) == list(range(8, 15))
