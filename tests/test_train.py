@@ -236,12 +236,15 @@ def test_freezing_the_embeddings_freezes_the_tied_output_matrix_too():
 
 def test_validation_losses_are_token_means_whatever_the_batch_size(corpus):
     """The mean over every labelled token of the windows, as F.cross_entropy summed over one batch of them
-    all: the same in batches of 1, 7 (the last one short: 7 does not divide 10) or 64."""
+    all: the same in batches of 1, 7 (the last one short: 7 does not divide 10) or 64; without the dropout the model
+    trains with, which is on again afterwards."""
     meta = data.load_meta(corpus)
     model = tiny_model(vocab_size=meta["vocab_size"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
-                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"]).eval()
+                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"], attention_dropout=0.1)
     T, n = 64, 10
     by_size = {b: train.validation_losses(model, corpus, T, n, b, torch.device("cpu")) for b in (1, 7, 64)}
+    assert model.training  # a run with --dropout validates without it, then trains with it again
+    model.eval()
     for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
         (x, y), = data.val_batches(corpus, T, n, n, objective, rate)
         with torch.no_grad():
