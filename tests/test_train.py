@@ -521,26 +521,32 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     with pytest.raises(InputError, match="less than one optimizer step"):  # a decay of no step is refused
         run(corpus, tmp_path / "short", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--tokens=100")
 
-    # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW.
-    model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
-    moments = load_file(os.path.join(clm_state["dir"], "optimizer.safetensors"))
-    loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
-    loader.load_state_dict(clm_state["loader"])
-    for _ in range(loader.accum):
-        x, y = loader.next()
-        (model(x, labels=y)[1] / loader.accum).backward()
-    peak, wd = 1e-3, 1e-5
-    opt = torch_adamw_oracle(model, peak, wd)
-    for name, p in model.named_parameters():
-        opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
-                        "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
-    for group in opt.param_groups:  # the decay's one step is its last: final_lr_frac (0.1) of the peak
-        group["lr"] = 0.1 * peak
-    fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    for name, p in model.named_parameters():
-        assert torch.allclose(p, decay[name] if name != "decoder.weight" else decay["model.embeddings.tok_embeddings.weight"],
-                              rtol=1e-5, atol=1e-7), name
+    # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW; and the same step
+    # under --grad_clip, with torch's clip_grad_norm_ (the carried moments make a clipped step another step).
+    clipped, _ = run(corpus, tmp_path / "clipped", "--phase=decay", f"--init_from={tmp_path / 'clm'}",
+                     "--warmup_tokens=0", "--grad_clip=0.05")  # far below the norm: clipped
+    for clip, trained in ((0, decay), (0.05, clipped)):
+        model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
+        moments = load_file(os.path.join(clm_state["dir"], "optimizer.safetensors"))
+        loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
+        loader.load_state_dict(clm_state["loader"])
+        for _ in range(loader.accum):
+            x, y = loader.next()
+            (model(x, labels=y)[1] / loader.accum).backward()
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > 10 * clip
+        peak, wd = 1e-3, 1e-5
+        opt = torch_adamw_oracle(model, peak, wd)
+        for name, p in model.named_parameters():
+            m, v = (moments[f"{kind}.{name}"].clone() for kind in ("exp_avg", "exp_avg_sq"))
+            opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": m, "exp_avg_sq": v}
+        for group in opt.param_groups:  # the decay's one step is its last: final_lr_frac (0.1) of the peak
+            group["lr"] = 0.1 * peak
+        fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        for name, p in model.named_parameters():
+            tied = name if name != "decoder.weight" else "model.embeddings.tok_embeddings.weight"
+            assert torch.allclose(p, trained[tied], rtol=1e-5, atol=1e-7), (clip, name)
     # A fresh optimizer (zero moments, t = 1) would have moved the weights differently.
     moved = decay["model.layers.0.attn.Wqkv.weight"] - fresh["model.layers.0.attn.Wqkv.weight"]
     assert not torch.allclose(moved.abs(), torch.full_like(moved, 0.1 * peak), rtol=1e-3)
