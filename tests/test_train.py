@@ -552,6 +552,31 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     assert not torch.allclose(moved.abs(), torch.full_like(moved, 0.1 * peak), rtol=1e-3)
 
 
+@pytest.mark.parametrize("phase, objective, rate", [(["--phase=clm"], "clm", 0.3),  # CLM reads no rate
+                                                    (["--phase=mlm", "--mask_rate=0.4"], "mlm", 0.4)],
+                         ids=["clm", "mlm"])
+def test_a_step_trains_the_objective_its_phase_names(phase, objective, rate, corpus, tmp_path):
+    """A fresh model's first step, rebuilt by hand: the phase's labels (CLM: the next token, under the causal mask;
+    MLM: at the rate asked), the mean of the micro-batch means, torch.optim.AdamW. The run's weights and logged loss
+    are these; a run that trained another objective, without the causal mask or at another rate would not be."""
+    trained, _ = run(corpus, tmp_path / "run", *phase, f"--tokens={STEP_TOKENS}", "--warmup_tokens=0")
+    torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
+    model = ModernBERT(ModernBERTConfig.read(str(tmp_path / "run" / "config.json")))
+    loader = data.Loader(corpus, "train", 128, 4, 2, objective=objective, mask_rate=rate, data_seed=42, mask_seed=17)
+    summed, labelled = 0.0, 0
+    for _ in range(loader.accum):
+        x, y = loader.next()
+        _, loss = model(x, labels=y, causal=objective == "clm")
+        (loss / loader.accum).backward()
+        summed, labelled = summed + loss.item() * (y != -100).sum().item(), labelled + (y != -100).sum().item()
+    torch_adamw_oracle(model, 1e-3, 1e-5).step()  # no warmup: the peak rate
+    for name, p in model.named_parameters():
+        tied = name if name != "decoder.weight" else "model.embeddings.tok_embeddings.weight"
+        assert torch.allclose(p, trained[tied], rtol=1e-5, atol=1e-7), name
+    logged = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "log.jsonl")) if "loss" in r]
+    assert logged == [pytest.approx(summed / labelled, abs=1e-5)]
+
+
 def test_each_way_a_run_starts_carries_over_what_its_row_of_starts_says(corpus, tmp_path, capsys):
     """One step after each row of train.STARTS, from a parent stopped at 2 of 3 steps: Adam's t, the data position,
     the phase's step and the runs before it go on from the parent's where the row carries them and start from 0
