@@ -123,9 +123,10 @@ def test_adamw_skips_frozen_parameters_entirely():
     for frozen in (set(), {"p"}):  # one step to give p moments, then frozen with a zero gradient
         opt.frozen = frozen
         p.grad, q.grad = torch.ones(3, 3) if not frozen else torch.zeros(3, 3), torch.ones(3, 3)
-        before = p.detach().clone()
+        before, moments = p.detach().clone(), [m.clone() for m in opt.moments["p"]]
         opt.step(1e-2)
     assert torch.equal(p, before) and opt.moments["p"][0].abs().sum() > 0  # stale moments did not move it
+    assert all(map(torch.equal, opt.moments["p"], moments))  # nor did its zero gradient decay them
     assert not torch.equal(q, torch.ones(3, 3))
 
 
@@ -175,6 +176,20 @@ def test_phase_defaults_and_flag_parsing():
             configure(bad)
 
 
+def test_a_hand_off_runs_with_its_parents_model_data_batch_and_optimizer():
+    """The decay continues the run it starts from: its architecture, data, batch, optimizer, clipping, dropout and
+    seeds, not the recipe's, unless a flag changes one; the phase sets its own objective and schedule."""
+    kept = dict(recipe="smoke", preset="mini", data="d", seq_len=64, batch_size=12, micro_batch_size=3, lr=3e-3,
+                beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.5, dropout=0.1, seed=5, data_seed=6)
+    parent = dict(config=dataclasses.asdict(train.Config(**kept, phase="clm", objective="clm")), phase_tokens=10_000)
+    cfg = train.resolve_config(dict(phase="decay", init_from="out/x"), parent=parent)
+    assert {k: getattr(cfg, k) for k in kept} == kept
+    assert (cfg.objective, cfg.mask_rate, cfg.schedule, cfg.warmup_tokens) == ("mlm", 0.15, "1-sqrt", 0)
+    assert cfg.tokens == 1000  # 10% of the parent's
+    changed = train.resolve_config(dict(phase="decay", init_from="out/x", weight_decay=0.0), parent=parent)
+    assert changed.weight_decay == 0 and changed.lr == 3e-3
+
+
 def test_freeze_specs():
     assert freeze.parse_layers("0-7", 22) == list(range(8))
     assert freeze.parse_layers("8-14", 22) == list(range(8, 15))
@@ -221,12 +236,15 @@ def test_freezing_the_embeddings_freezes_the_tied_output_matrix_too():
 
 def test_validation_losses_are_token_means_whatever_the_batch_size(corpus):
     """The mean over every labelled token of the windows, as F.cross_entropy summed over one batch of them
-    all: the same in batches of 1, 7 (the last one short: 7 does not divide 10) or 64."""
+    all: the same in batches of 1, 7 (the last one short: 7 does not divide 10) or 64; without the dropout the model
+    trains with, which is on again afterwards."""
     meta = data.load_meta(corpus)
     model = tiny_model(vocab_size=meta["vocab_size"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
-                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"]).eval()
+                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"], attention_dropout=0.1)
     T, n = 64, 10
     by_size = {b: train.validation_losses(model, corpus, T, n, b, torch.device("cpu")) for b in (1, 7, 64)}
+    assert model.training  # a run with --dropout validates without it, then trains with it again
+    model.eval()
     for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
         (x, y), = data.val_batches(corpus, T, n, n, objective, rate)
         with torch.no_grad():
@@ -503,29 +521,60 @@ def test_phase_hand_off_carries_moments_and_step_counter(corpus, tmp_path):
     with pytest.raises(InputError, match="less than one optimizer step"):  # a decay of no step is refused
         run(corpus, tmp_path / "short", "--phase=decay", f"--init_from={tmp_path / 'clm'}", "--tokens=100")
 
-    # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW.
-    model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
-    moments = load_file(os.path.join(clm_state["dir"], "optimizer.safetensors"))
-    loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
-    loader.load_state_dict(clm_state["loader"])
-    for _ in range(loader.accum):
-        x, y = loader.next()
-        (model(x, labels=y)[1] / loader.accum).backward()
-    peak, wd = 1e-3, 1e-5
-    opt = torch_adamw_oracle(model, peak, wd)
-    for name, p in model.named_parameters():
-        opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": moments[f"exp_avg.{name}"].clone(),
-                        "exp_avg_sq": moments[f"exp_avg_sq.{name}"].clone()}
-    for group in opt.param_groups:  # the decay's one step is its last: final_lr_frac (0.1) of the peak
-        group["lr"] = 0.1 * peak
-    fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    for name, p in model.named_parameters():
-        assert torch.allclose(p, decay[name] if name != "decoder.weight" else decay["model.embeddings.tok_embeddings.weight"],
-                              rtol=1e-5, atol=1e-7), name
+    # Rebuild the decay run's first step by hand from the saved CLM state, with torch.optim.AdamW; and the same step
+    # under --grad_clip, with torch's clip_grad_norm_ (the carried moments make a clipped step another step).
+    clipped, _ = run(corpus, tmp_path / "clipped", "--phase=decay", f"--init_from={tmp_path / 'clm'}",
+                     "--warmup_tokens=0", "--grad_clip=0.05")  # far below the norm: clipped
+    for clip, trained in ((0, decay), (0.05, clipped)):
+        model = ModernBERT.from_pretrained(str(tmp_path / "clm"))
+        moments = load_file(os.path.join(clm_state["dir"], "optimizer.safetensors"))
+        loader = data.Loader(corpus, "train", 128, 4, 2, objective="mlm", mask_rate=0.15, data_seed=42, mask_seed=17)
+        loader.load_state_dict(clm_state["loader"])
+        for _ in range(loader.accum):
+            x, y = loader.next()
+            (model(x, labels=y)[1] / loader.accum).backward()
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > 10 * clip
+        peak, wd = 1e-3, 1e-5
+        opt = torch_adamw_oracle(model, peak, wd)
+        for name, p in model.named_parameters():
+            m, v = (moments[f"{kind}.{name}"].clone() for kind in ("exp_avg", "exp_avg_sq"))
+            opt.state[p] = {"step": torch.tensor(float(clm_state["adam_t"])), "exp_avg": m, "exp_avg_sq": v}
+        for group in opt.param_groups:  # the decay's one step is its last: final_lr_frac (0.1) of the peak
+            group["lr"] = 0.1 * peak
+        fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        for name, p in model.named_parameters():
+            tied = name if name != "decoder.weight" else "model.embeddings.tok_embeddings.weight"
+            assert torch.allclose(p, trained[tied], rtol=1e-5, atol=1e-7), (clip, name)
     # A fresh optimizer (zero moments, t = 1) would have moved the weights differently.
     moved = decay["model.layers.0.attn.Wqkv.weight"] - fresh["model.layers.0.attn.Wqkv.weight"]
     assert not torch.allclose(moved.abs(), torch.full_like(moved, 0.1 * peak), rtol=1e-3)
+
+
+@pytest.mark.parametrize("phase, objective, rate", [(["--phase=clm"], "clm", 0.3),  # CLM reads no rate
+                                                    (["--phase=mlm", "--mask_rate=0.4"], "mlm", 0.4)],
+                         ids=["clm", "mlm"])
+def test_a_step_trains_the_objective_its_phase_names(phase, objective, rate, corpus, tmp_path):
+    """A fresh model's first step, rebuilt by hand: the phase's labels (CLM: the next token, under the causal mask;
+    MLM: at the rate asked), the mean of the micro-batch means, torch.optim.AdamW. The run's weights and logged loss
+    are these; a run that trained another objective, without the causal mask or at another rate would not be."""
+    trained, _ = run(corpus, tmp_path / "run", *phase, f"--tokens={STEP_TOKENS}", "--warmup_tokens=0")
+    torch.manual_seed(17)  # the scratch init, seeded by --seed, of the model the corpus sized
+    model = ModernBERT(ModernBERTConfig.read(str(tmp_path / "run" / "config.json")))
+    loader = data.Loader(corpus, "train", 128, 4, 2, objective=objective, mask_rate=rate, data_seed=42, mask_seed=17)
+    summed, labelled = 0.0, 0
+    for _ in range(loader.accum):
+        x, y = loader.next()
+        _, loss = model(x, labels=y, causal=objective == "clm")
+        (loss / loader.accum).backward()
+        summed, labelled = summed + loss.item() * (y != -100).sum().item(), labelled + (y != -100).sum().item()
+    torch_adamw_oracle(model, 1e-3, 1e-5).step()  # no warmup: the peak rate
+    for name, p in model.named_parameters():
+        tied = name if name != "decoder.weight" else "model.embeddings.tok_embeddings.weight"
+        assert torch.allclose(p, trained[tied], rtol=1e-5, atol=1e-7), name
+    logged = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "log.jsonl")) if "loss" in r]
+    assert logged == [pytest.approx(summed / labelled, abs=1e-5)]
 
 
 def test_each_way_a_run_starts_carries_over_what_its_row_of_starts_says(corpus, tmp_path, capsys):
