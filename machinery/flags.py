@@ -180,9 +180,13 @@ def check(cfg, allowed, world):
     names the lesson's tables define for it (phases, schedules, objectives, backends)."""
     check_names({key: getattr(cfg, key) for key in allowed}, allowed)
     finite = math.isfinite
+    unset = " and ".join(flag for flag, value in (("--data", cfg.data), ("--tokens", cfg.tokens)) if not value)
     rules = [
         (not allowed["objective"][cfg.objective].masked or 0 < cfg.mask_rate < 1,
          f"--mask_rate={cfg.mask_rate}: expected 0 < rate < 1"),
+        (cfg.init_from == "scratch" or os.path.exists(cfg.init_from) or not unset,  # most often a path mistyped
+         f"--init_from={cfg.init_from}: no such folder here, so no run of ours to take {unset} from (from a "
+         f"Hugging Face id, pass {unset})"),
         (cfg.data != "", "--data is required: a directory written by `python data.py prepare`"),
         (cfg.tokens != 0 or cfg.init_from != "scratch",
          f"--phase={cfg.phase} needs --init_from (the run it continues) or --tokens: 0 means 10% of that run's"),

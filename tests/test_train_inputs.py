@@ -204,6 +204,11 @@ def test_a_mistyped_run_to_continue_is_named_as_missing_under_the_demo_recipe(de
     there, which is what the user must hear, not that the demo takes no pretrained checkpoint."""
     fails(capsys, ["--phase=decay", "--init_from=out/mistyped", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
           "--init_from=out/mistyped: no such folder, so no run of train.py to continue")
+    # under another recipe a decay takes its data and budget from the run: naming those was no help either
+    fails(capsys, ["--recipe=cpu", "--phase=decay", "--init_from=out/mistyped", f"--out_dir={tmp_path / 'o'}"],
+          "--init_from=out/mistyped: no such folder here, so no run of ours to take --data and --tokens from")
+    fails(capsys, ["--recipe=paper", "--phase=clm", "--init_from=answerdotai/ModernBERT-base"],
+          "from a Hugging Face id, pass --data)")
 
 
 def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(demo_corpus, tmp_path, capsys):
