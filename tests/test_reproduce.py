@@ -953,3 +953,15 @@ def test_the_report_says_when_fine_tuning_scored_dev():
         total, points = ev.budget(kind, 1600, s)
         want = "after every epoch" if len(points) == total // 100 and "steps" not in ft else f"{len(points)} times"
         assert f"dev scored {want}" in said, (ft, said, points)
+
+
+def test_a_loss_difference_without_an_interval_is_not_counted_as_excluding_0():
+    """With one replicate a loss difference has no interval (its verdict says so): the report's count of the
+    intervals that exclude 0, against what chance alone gives, leaves it out rather than count it as one that does."""
+    import reproduce
+    from machinery.report import chance_lines
+    runs = {f"{m}-r1": dict(objective="mlm", continues="", val=[[1024, 3.0 + d, 6.0 - d]])
+            for m, d in (("mlm", 0.0), ("a", 0.2))}
+    losses = reproduce.losses(runs, ["mlm", "a"], "mlm", 1)
+    assert losses["a"]["val_mlm"]["difference"]["verdict"] == "no interval"
+    assert chance_lines({"losses": {"the decayed models": losses}, "finetune": {}}) == []
