@@ -808,6 +808,14 @@ def test_no_stage_starts_under_code_or_packages_its_experiment_was_not_planned_w
     monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / "edited", "machinery/compare.py"))
     with pytest.raises(InputError, match=r"^every stage has finished, but the code changed while the experiment ran"):
         stages.check_unchanged(plan)
+    live = source_copy(tmp_path / "live")  # read as the driver starts (and kept by the process), then edited in place
+    monkeypatch.setattr(cli, "REPOSITORY", live)
+    started = {**plan, "code": cli.source_digest()}
+    stages.check_unchanged(started)
+    with open(live / "machinery" / "compare.py", "a") as f:
+        f.write("# edited while the experiment ran\n")
+    with pytest.raises(InputError, match=r"^every stage has finished, but the code changed while the experiment ran"):
+        stages.check_unchanged(started)
 
 
 def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):
@@ -836,7 +844,8 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
     stages.run(plan_of, out, plan, 1, 1)
     assert capsys.readouterr().out.count("[skip]") == 3
     for path, change, how in [(out / "cka.json", "a hand run's numbers", "is not what the stage wrote"),
-                              (run_dir / "log.jsonl", None, "is gone")]:
+                              (run_dir / "log.jsonl", None, "is gone"),
+                              (run_dir / "model.safetensors", "other weights", "is not what the stage wrote")]:
         kept = path.read_bytes()
         path.write_text(change) if change else path.unlink()
         with pytest.raises(InputError) as refusal:
@@ -965,3 +974,54 @@ def test_a_loss_difference_without_an_interval_is_not_counted_as_excluding_0():
     losses = reproduce.losses(runs, ["mlm", "a"], "mlm", 1)
     assert losses["a"]["val_mlm"]["difference"]["verdict"] == "no interval"
     assert chance_lines({"losses": {"the decayed models": losses}, "finetune": {}}) == []
+
+
+def test_an_input_whose_content_changed_is_another_command(tmp_path, monkeypatch):
+    """An input's content is in its stage's fingerprint: a file edited in place (same name and size), a weights file
+    of a model folder (a --start) replaced, and a file larger than what is hashed whole changed in its first or its
+    last MiB each make another command, refused naming the input; a hidden file of a folder (a lock) is no content."""
+    from machinery import stages
+    from machinery.cli import InputError
+    monkeypatch.setattr(stages, "WHOLE", 1 << 20)  # a 3 MiB file is hashed by its size, first and last MiB
+    out, corpus, start, big = tmp_path / "exp", tmp_path / "corpus.jsonl", tmp_path / "start", tmp_path / "big.bin"
+    corpus.write_text('{"text": "a cell"}\n')
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"weights")
+    big.write_bytes(bytes(3 << 20))
+    plan_of = [stages.Stage("data", [sys.executable, "-c", "pass"], inputs=[corpus, start, big], threaded=False)]
+
+    def plan():  # as a new invocation reads its inputs again
+        stages.content.cache_clear()
+        return stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan()))
+    (start / ".lock").write_text("held")
+    stages.check_out(out, plan())
+    for path, at in ((corpus, 10), (start / "model.safetensors", 3), (big, 0), (big, (3 << 20) - 1)):
+        kept = path.read_bytes()
+        path.write_bytes(kept[:at] + b"x" + kept[at + 1:])
+        named = start if path.parent == start else path  # a folder is one input
+        with pytest.raises(InputError, match=rf"1 stages differ: data \(the content of {re.escape(str(named))}\)"):
+            stages.check_out(out, plan())
+        path.write_bytes(kept)
+    stages.check_out(out, plan())
+
+
+def test_the_driver_writes_no_report_once_its_code_changed_while_the_stages_ran(tmp_path, capsys, monkeypatch):
+    """The code an experiment is planned with is read as the driver starts: a module edited while the stages run
+    stops the driver before the report, which the edited code would write."""
+    need(CORPUS)
+    import reproduce
+    from machinery import cli
+    live = source_copy(tmp_path / "code")
+    monkeypatch.setattr(cli, "REPOSITORY", live)
+    written = []
+
+    def stages_ran(*_):  # every stage finished; meanwhile a module was edited
+        with open(live / "machinery" / "compare.py", "a") as f:
+            f.write("# edited while the experiment ran\n")
+    monkeypatch.setattr(reproduce, "run", stages_ran)
+    monkeypatch.setattr(reproduce, "report", lambda *args: written.append(args))
+    status, _, err = in_process(capsys, "--scale=smoke", f"--out={tmp_path / 'exp'}")
+    assert status == 2 and err.startswith("error: every stage has finished, but the code changed"), err
+    assert written == []

@@ -865,6 +865,11 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
         (root / path).write_text("x = 1\n")
         assert (cli.source_digest(now=True)[:16] != versions[None]["sha256"]) == counts, path
         (root / path).unlink()
+    # one digit changed in place (a constant edited): the file keeps its name and its length, and is other code
+    kept = (root / "machinery" / "compare.py").read_bytes()
+    i = next(i for i, b in enumerate(kept) if chr(b).isdigit())
+    (root / "machinery" / "compare.py").write_bytes(kept[:i] + (b"2" if kept[i:i + 1] == b"1" else b"1") + kept[i + 1:])
+    assert cli.source_digest(now=True)[:16] != versions[None]["sha256"]
 
 
 def test_code_version_names_the_commit_and_whether_the_code_that_ran_differs_from_it(tmp_path, monkeypatch):
