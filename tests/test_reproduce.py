@@ -1025,3 +1025,71 @@ def test_the_driver_writes_no_report_once_its_code_changed_while_the_stages_ran(
     status, _, err = in_process(capsys, "--scale=smoke", f"--out={tmp_path / 'exp'}")
     assert status == 2 and err.startswith("error: every stage has finished, but the code changed"), err
     assert written == []
+
+
+def test_the_wall_time_counts_each_second_that_some_stage_ran_once(tmp_path):
+    """The report's wall time: the union of the stages' spans (two side by side count once, a pause between
+    invocations not at all); the summed time adds every stage's."""
+    from machinery import stages
+    (tmp_path / "stages").mkdir()
+    spans = {"a": (100.0, 110.0), "b": (105.0, 115.0), "c": (106.0, 108.0), "d": (109.0, 116.0),
+             "e": (120.0, 125.0)}
+    for name, (start, end) in spans.items():
+        (tmp_path / "stages" / f"{name}.json").write_text(json.dumps(dict(
+            fingerprint="f", threads=1, finished=True, seconds=end - start, start=start, end=end)))
+    times = stages.stage_times(tmp_path, [stages.Stage(name, []) for name in spans])
+    assert times == dict(stages={"a": 10.0, "b": 10.0, "c": 2.0, "d": 7.0, "e": 5.0}, summed=34.0, wall=21.0)
+
+
+def test_no_two_replicates_share_a_fine_tuning_seed():
+    """Replicate r's fine-tuning seeds are the scale's moved past every seed of the replicates before it, however
+    the scale's are spaced."""
+    import reproduce
+    seeds = lambda given, R: [reproduce.ft_seeds({"ft": {"seeds": given}}, r) for r in range(1, R + 1)]  # noqa: E731
+    assert seeds("42,43", 3) == ["42,43", "44,45", "46,47"] and seeds("42", 3) == ["42", "43", "44"]
+    spaced = [set(s.split(",")) for s in seeds("42,44,50", 4)]
+    assert all(not spaced[i] & spaced[j] for i in range(4) for j in range(i)) and spaced[0] == {"42", "44", "50"}
+
+
+def test_the_needle_reads_up_to_the_length_each_scale_trained_at(tmp_path):
+    """The needle's lengths: powers of two from the scale's shortest up to the sequence length its train.py
+    recipe trains at, that length included."""
+    import reproduce
+    from train import RECIPES, Config
+    for scale, s in reproduce.DETOUR.items():
+        command = reproduce.needle_stage(s, tmp_path, 2, tmp_path / "heldout.jsonl").command
+        lengths = [int(x) for x in reproduce.flag(command, "lengths").split(",")]
+        seq_len = {**vars(Config()), **RECIPES[s["recipe"]]}["seq_len"]
+        assert lengths == [s["needle"]["shortest"] * 2 ** i for i in range(len(lengths))] and lengths[-1] == seq_len
+
+
+def test_the_loss_differences_are_paired_t_intervals_whose_verdicts_follow_them():
+    """Each model's final validation losses (the last eval of each replicate) against its reference's, replicate by
+    replicate: the 95% interval of scipy's t, "lower" or "higher" only where it excludes 0, the difference a
+    two-sided t test over the replicates detects with 80% power (scipy's noncentral t), and whether the two
+    trained different objectives."""
+    import numpy as np
+    from scipy import stats
+    import reproduce
+    base = {"mlm": [3.0, 3.2, 3.1], "clm": [6.0, 6.1, 6.3]}
+    shift = {"a": {"mlm": [-0.10, -0.13, -0.08], "clm": [0.05, -0.06, 0.02]},
+             "b": {"mlm": [0.30, 0.36, 0.41], "clm": [-0.9, -1.0, -1.2]}}
+    runs = {}
+    for r in range(3):
+        for m, objective in (("mlm", "mlm"), ("a", "mlm"), ("b", "clm")):
+            final = [base[k][r] + (shift[m][k][r] if m in shift else 0.0) for k in ("mlm", "clm")]
+            runs[f"{m}-r{r + 1}"] = dict(objective=objective, continues="", val=[[512, 9.0, 9.0], [1024, *final]])
+    got = reproduce.losses(runs, ["mlm", "a", "b"], "mlm", 3)
+    t = stats.t.ppf(0.975, 2)
+    for m, key, verdict in (("a", "mlm", "lower"), ("a", "clm", "no detectable difference"), ("b", "mlm", "higher"),
+                            ("b", "clm", "lower")):
+        d, row = np.array(shift[m][key]), got[m][f"val_{key}"]
+        se = d.std(ddof=1) / np.sqrt(3)
+        assert row["each"] == pytest.approx([x + y for x, y in zip(base[key], d)])
+        assert [row["difference"][k] for k in ("mean", "low", "high")] == pytest.approx(
+            [d.mean(), d.mean() - t * se, d.mean() + t * se])
+        assert row["difference"]["verdict"] == verdict
+        nc = row["difference"]["detectable"] / se
+        assert stats.nct.sf(t, 2, nc) + stats.nct.cdf(-t, 2, nc) == pytest.approx(0.8, abs=1e-3)
+        assert row["difference"]["by_construction"] == (m == "b")
+    assert "difference" not in got["mlm"]["val_mlm"]
