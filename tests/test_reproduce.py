@@ -882,6 +882,9 @@ def test_a_rerun_with_another_jobs_keeps_every_stages_threads(tmp_path, capsys):
     stages.run(plan_of, out, plan, 2, 2)  # the same command with --jobs=2 would give each stage 1 thread
     assert (out / "fails.txt").read_text() == (out / "after.txt").read_text() == "--threads=2"
     assert "each stage takes the threads its plan fixed at its first invocation" in capsys.readouterr().out
+    # a solo stage (the start model) runs alone on every core; --jobs above the cores leaves each stage one
+    alone = [stages.Stage("start", [], solo=True), stages.Stage("arm", [])]
+    assert stages.plan_threads(tmp_path / "new", alone, 8, 4) == {"start": 4, "arm": 1}
 
 
 def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
