@@ -365,6 +365,8 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys, study
         assert set(hours) == set(command) and lines[-2].startswith("the stages: ~") and "CPU hours in all" in lines[-2]
         measured = json.loads((ROOT / "docs" / f"{study}-cpu" / "report.json").read_text())["time"]["stages"]
         assert hours["mlm-r2"] == pytest.approx(sum(measured[f"mlm-r{r}"] for r in (1, 2, 3)) / 3 / 3600, rel=0.01)
+        if study == "detour":  # the start model ran alone on both cores: its CPU hours are both cores' time
+            assert hours["start"] == pytest.approx(2 * measured["start"] / 3600, rel=0.01)
     if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
         assert hours["mlm-r1"] == pytest.approx(12.7, abs=0.5)
     if study == "detour":
