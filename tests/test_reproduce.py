@@ -1098,3 +1098,31 @@ def test_the_loss_differences_are_paired_t_intervals_whose_verdicts_follow_them(
         assert stats.nct.sf(t, 2, nc) + stats.nct.cdf(-t, 2, nc) == pytest.approx(0.8, abs=1e-3)
         assert row["difference"]["by_construction"] == (m == "b")
     assert "difference" not in got["mlm"]["val_mlm"]
+    from machinery.report import summary  # the verdicts' list says each of them of its own loss
+    line = next(x for x in summary({"losses": {"t": got}, "finetune": {}, "replicates": 3}, {"names": {}})
+                if x.startswith("- **a**"))
+    assert re.fullmatch(r"- \*\*a\*\* against mlm: validation MLM loss -0\.103 \[\S+ \S+\] \(lower\); validation CLM "
+                        r"loss \+0\.003 \[\S+ \S+\] \(no detectable difference\)\.", line), line
+
+
+def test_the_appendix_averages_each_settings_dev_and_test_scores_over_every_run(tmp_path):
+    """The appendix (per_setting): per fine-tuned model, task and lr, the mean dev and the mean test score over every
+    seed of every replicate, and the task's majority baseline on dev, from results files as eval.py writes them."""
+    import reproduce
+    s, models = {"lrs": [1e-3, 3e-3]}, reproduce.FINETUNED["detour"]
+    (tmp_path / "finetune").mkdir()
+    for i, m in enumerate(models):
+        for lr in s["lrs"]:
+            for r in (1, 2):  # two seeds each: dev i + lr + 0.1 r + 0.01 k, test 0.5 - 0.1 r - 0.01 k
+                seeds = {str(40 + 2 * r + k): {"dev": {"f1": i + lr + 0.1 * r + 0.01 * k},
+                                               "test": {"f1": 0.5 - 0.1 * r - 0.01 * k}} for k in (0, 1)}
+                task = dict(primary="f1", kind="ner", majority="O", scored=["O"], seeds=seeds,
+                            baseline={"dev": {"f1": 0.2}, "test": {"f1": 0.25}})
+                reproduce.ft_path(tmp_path, f"{m}-r{r}", lr).write_text(json.dumps({"tasks": {"ncbi_disease": task}}))
+    table = reproduce.per_setting(tmp_path, s, "detour", 2)
+    assert list(table) == models
+    for i, m in enumerate(models):
+        for lr in s["lrs"]:
+            row = table[m]["ncbi_disease"][f"{lr:g}"]
+            assert row == dict(metric="f1", dev=pytest.approx(i + lr + 0.155), test=pytest.approx(0.345),
+                               dev_baseline=0.2, runs=4)
