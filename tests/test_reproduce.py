@@ -889,6 +889,25 @@ def test_a_rerun_with_another_jobs_keeps_every_stages_threads(tmp_path, capsys):
     assert stages.plan_threads(tmp_path / "new", alone, 8, 4) == {"start": 4, "arm": 1}
 
 
+def test_a_solo_stage_runs_with_no_other_stage_beside_it(tmp_path):
+    """A solo stage (the start model) has every core: it waits for the stages running when it is ready, and no stage
+    starts beside it, whatever --jobs allows."""
+    from machinery import stages
+    out = tmp_path / "exp"
+    slow = "import time; time.sleep(0.5)\n" + SAYS  # writes its last argument: the solo stage its --threads
+    plan_of = [stages.Stage("a", [sys.executable, "-c", slow, f"--out={out / 'a.txt'}"], threaded=False),
+               stages.Stage("start", [sys.executable, "-c", slow, f"--out={out / 'start.txt'}"], solo=True),
+               stages.Stage("b", [sys.executable, "-c", slow, f"--out={out / 'b.txt'}"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    stages.run(plan_of, out, plan, 3, 3)
+    spans = {s.name: json.loads((out / "stages" / f"{s.name}.json").read_text()) for s in plan_of}
+    alone = spans.pop("start")
+    assert all(r["end"] <= alone["start"] or r["start"] >= alone["end"] for r in spans.values()), spans
+    assert (out / "start.txt").read_text() == "--threads=3"
+
+
 def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
     """A stage that exits 0 with an output missing (a training continued from its end writes nothing: its weights,
     moved away by hand, stay gone) fails with a line naming the file, and is never recorded as finished, which a
