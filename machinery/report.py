@@ -423,6 +423,7 @@ def chance_lines(rep):
                  [d for d in losses if not d.get("by_construction")])]
     lines = []
     for what, every in families:
+        every = [d for d in every if d["verdict"] != "no interval"]  # one replicate: a loss difference has none
         if not every:
             continue
         c = by_chance(len(every), sum(not d["verdict"].startswith("no detectable") for d in every))

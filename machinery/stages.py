@@ -323,6 +323,8 @@ def run(stages, out, plan, jobs, cores):
         while running or not (failed or stop or len(done) == len(stages)):
             ready = [s for s in stages if s.name not in done and s.name not in running and set(s.needs) <= done]
             for stage in ready[:max(0, jobs - len(running))] if not (failed or stop) else []:
+                if running and (stage.solo or any(s.solo for s, *_ in running.values())):
+                    break  # a solo stage runs alone, on every core: it waits, and nothing starts beside it
                 # fixed per stage (kept by a resume), so that a rerun computes the same numbers
                 threads = stage_record(out, stage.name, fps[stage.name]).get("threads") or \
                     fixed.get(stage.name) or (cores if stage.solo else max(1, cores // jobs))

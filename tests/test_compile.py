@@ -315,6 +315,16 @@ def test_peak_flops_tells_the_h100_boards_apart():
     assert all(progress.peak_of(key) == peak for key, peak in progress.PEAK_FLOPS.items())  # none shadowed
 
 
+def test_mfu_is_each_gpus_share_of_its_own_peak():
+    """A step's MFU: the model FLOPs of the step's tokens per second over the peak of the GPUs that computed them
+    (each process computes 1/world of the step); its tokens/s are every process's together."""
+    from types import SimpleNamespace
+    r = SimpleNamespace(cfg=SimpleNamespace(batch_size=32, seq_len=1024, phase="mlm"), phase_step=7,
+                        phase_tokens=7 * 32 * 1024, world=4)
+    record = progress.record(r, 2.5, 1e-3, 1.0, seconds=0.5, flops=6e9, peak=989e12)
+    assert record["tokens_per_s"] == 65_536 and record["mfu"] == round(6e9 * 65_536 / (4 * 989e12), 4) == 0.0994
+
+
 def test_bench_peak_memory_leaves_out_the_warm_up(monkeypatch):
     """bench.interleaved on a fake CUDA device: a warm-up step that allocates 100 (compilation, autotuning) and
     timed steps that allocate 10 report 10."""

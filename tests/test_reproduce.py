@@ -365,6 +365,8 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys, study
         assert set(hours) == set(command) and lines[-2].startswith("the stages: ~") and "CPU hours in all" in lines[-2]
         measured = json.loads((ROOT / "docs" / f"{study}-cpu" / "report.json").read_text())["time"]["stages"]
         assert hours["mlm-r2"] == pytest.approx(sum(measured[f"mlm-r{r}"] for r in (1, 2, 3)) / 3 / 3600, rel=0.01)
+        if study == "detour":  # the start model ran alone on both cores: its CPU hours are both cores' time
+            assert hours["start"] == pytest.approx(2 * measured["start"] / 3600, rel=0.01)
     if (study, scale) == ("detour", "paper"):  # 10B tokens of MLM on base: 3h11 on 4 x H100 is 12.7 GPU-hours
         assert hours["mlm-r1"] == pytest.approx(12.7, abs=0.5)
     if study == "detour":
@@ -811,6 +813,14 @@ def test_no_stage_starts_under_code_or_packages_its_experiment_was_not_planned_w
     monkeypatch.setattr(cli, "REPOSITORY", source_copy(tmp_path / "edited", "machinery/compare.py"))
     with pytest.raises(InputError, match=r"^every stage has finished, but the code changed while the experiment ran"):
         stages.check_unchanged(plan)
+    live = source_copy(tmp_path / "live")  # read as the driver starts (and kept by the process), then edited in place
+    monkeypatch.setattr(cli, "REPOSITORY", live)
+    started = {**plan, "code": cli.source_digest()}
+    stages.check_unchanged(started)
+    with open(live / "machinery" / "compare.py", "a") as f:
+        f.write("# edited while the experiment ran\n")
+    with pytest.raises(InputError, match=r"^every stage has finished, but the code changed while the experiment ran"):
+        stages.check_unchanged(started)
 
 
 def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_path, capsys):
@@ -839,7 +849,8 @@ def test_a_finished_stage_whose_output_was_replaced_is_refused_naming_it(tmp_pat
     stages.run(plan_of, out, plan, 1, 1)
     assert capsys.readouterr().out.count("[skip]") == 3
     for path, change, how in [(out / "cka.json", "a hand run's numbers", "is not what the stage wrote"),
-                              (run_dir / "log.jsonl", None, "is gone")]:
+                              (run_dir / "log.jsonl", None, "is gone"),
+                              (run_dir / "model.safetensors", "other weights", "is not what the stage wrote")]:
         kept = path.read_bytes()
         path.write_text(change) if change else path.unlink()
         with pytest.raises(InputError) as refusal:
@@ -876,6 +887,28 @@ def test_a_rerun_with_another_jobs_keeps_every_stages_threads(tmp_path, capsys):
     stages.run(plan_of, out, plan, 2, 2)  # the same command with --jobs=2 would give each stage 1 thread
     assert (out / "fails.txt").read_text() == (out / "after.txt").read_text() == "--threads=2"
     assert "each stage takes the threads its plan fixed at its first invocation" in capsys.readouterr().out
+    # a solo stage (the start model) runs alone on every core; --jobs above the cores leaves each stage one
+    alone = [stages.Stage("start", [], solo=True), stages.Stage("arm", [])]
+    assert stages.plan_threads(tmp_path / "new", alone, 8, 4) == {"start": 4, "arm": 1}
+
+
+def test_a_solo_stage_runs_with_no_other_stage_beside_it(tmp_path):
+    """A solo stage (the start model) has every core: it waits for the stages running when it is ready, and no stage
+    starts beside it, whatever --jobs allows."""
+    from machinery import stages
+    out = tmp_path / "exp"
+    slow = "import time; time.sleep(0.5)\n" + SAYS  # writes its last argument: the solo stage its --threads
+    plan_of = [stages.Stage("a", [sys.executable, "-c", slow, f"--out={out / 'a.txt'}"], threaded=False),
+               stages.Stage("start", [sys.executable, "-c", slow, f"--out={out / 'start.txt'}"], solo=True),
+               stages.Stage("b", [sys.executable, "-c", slow, f"--out={out / 'b.txt'}"], threaded=False)]
+    plan = stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    stages.run(plan_of, out, plan, 3, 3)
+    spans = {s.name: json.loads((out / "stages" / f"{s.name}.json").read_text()) for s in plan_of}
+    alone = spans.pop("start")
+    assert all(r["end"] <= alone["start"] or r["start"] >= alone["end"] for r in spans.values()), spans
+    assert (out / "start.txt").read_text() == "--threads=3"
 
 
 def test_a_stage_that_ends_without_writing_its_outputs_is_not_finished(tmp_path, capsys):
@@ -956,3 +989,162 @@ def test_the_report_says_when_fine_tuning_scored_dev():
         total, points = ev.budget(kind, 1600, s)
         want = "after every epoch" if len(points) == total // 100 and "steps" not in ft else f"{len(points)} times"
         assert f"dev scored {want}" in said, (ft, said, points)
+
+
+def test_a_loss_difference_without_an_interval_is_not_counted_as_excluding_0():
+    """With one replicate a loss difference has no interval (its verdict says so): the report's count of the
+    intervals that exclude 0, against what chance alone gives, leaves it out rather than count it as one that does."""
+    import reproduce
+    from machinery.report import chance_lines
+    runs = {f"{m}-r1": dict(objective="mlm", continues="", val=[[1024, 3.0 + d, 6.0 - d]])
+            for m, d in (("mlm", 0.0), ("a", 0.2))}
+    losses = reproduce.losses(runs, ["mlm", "a"], "mlm", 1)
+    assert losses["a"]["val_mlm"]["difference"]["verdict"] == "no interval"
+    assert chance_lines({"losses": {"the decayed models": losses}, "finetune": {}}) == []
+
+
+def test_an_input_whose_content_changed_is_another_command(tmp_path, monkeypatch):
+    """An input's content is in its stage's fingerprint: a file edited in place (same name and size), a weights file
+    of a model folder (a --start) replaced, and a file larger than what is hashed whole changed in its first or its
+    last MiB each make another command, refused naming the input; a hidden file of a folder (a lock) is no content."""
+    from machinery import stages
+    from machinery.cli import InputError
+    monkeypatch.setattr(stages, "WHOLE", 1 << 20)  # a 3 MiB file is hashed by its size, first and last MiB
+    out, corpus, start, big = tmp_path / "exp", tmp_path / "corpus.jsonl", tmp_path / "start", tmp_path / "big.bin"
+    corpus.write_text('{"text": "a cell"}\n')
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"weights")
+    big.write_bytes(bytes(3 << 20))
+    plan_of = [stages.Stage("data", [sys.executable, "-c", "pass"], inputs=[corpus, start, big], threaded=False)]
+
+    def plan():  # as a new invocation reads its inputs again
+        stages.content.cache_clear()
+        return stages.fingerprint(plan_of, out, "test", "unit")
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan()))
+    (start / ".lock").write_text("held")
+    stages.check_out(out, plan())
+    for path, at in ((corpus, 10), (start / "model.safetensors", 3), (big, 0), (big, (3 << 20) - 1)):
+        kept = path.read_bytes()
+        path.write_bytes(kept[:at] + b"x" + kept[at + 1:])
+        named = start if path.parent == start else path  # a folder is one input
+        with pytest.raises(InputError, match=rf"1 stages differ: data \(the content of {re.escape(str(named))}\)"):
+            stages.check_out(out, plan())
+        path.write_bytes(kept)
+    stages.check_out(out, plan())
+
+
+def test_the_driver_writes_no_report_once_its_code_changed_while_the_stages_ran(tmp_path, capsys, monkeypatch):
+    """The code an experiment is planned with is read as the driver starts: a module edited while the stages run
+    stops the driver before the report, which the edited code would write."""
+    need(CORPUS)
+    import reproduce
+    from machinery import cli
+    live = source_copy(tmp_path / "code")
+    monkeypatch.setattr(cli, "REPOSITORY", live)
+    written = []
+
+    def stages_ran(*_):  # every stage finished; meanwhile a module was edited
+        with open(live / "machinery" / "compare.py", "a") as f:
+            f.write("# edited while the experiment ran\n")
+    monkeypatch.setattr(reproduce, "run", stages_ran)
+    monkeypatch.setattr(reproduce, "report", lambda *args: written.append(args))
+    status, _, err = in_process(capsys, "--scale=smoke", f"--out={tmp_path / 'exp'}")
+    assert status == 2 and err.startswith("error: every stage has finished, but the code changed"), err
+    assert written == []
+
+
+def test_the_wall_time_counts_each_second_that_some_stage_ran_once(tmp_path):
+    """The report's wall time: the union of the stages' spans (two side by side count once, a pause between
+    invocations not at all); the summed time adds every stage's."""
+    from machinery import stages
+    (tmp_path / "stages").mkdir()
+    spans = {"a": (100.0, 110.0), "b": (105.0, 115.0), "c": (106.0, 108.0), "d": (109.0, 116.0),
+             "e": (120.0, 125.0)}
+    for name, (start, end) in spans.items():
+        (tmp_path / "stages" / f"{name}.json").write_text(json.dumps(dict(
+            fingerprint="f", threads=1, finished=True, seconds=end - start, start=start, end=end)))
+    times = stages.stage_times(tmp_path, [stages.Stage(name, []) for name in spans])
+    assert times == dict(stages={"a": 10.0, "b": 10.0, "c": 2.0, "d": 7.0, "e": 5.0}, summed=34.0, wall=21.0)
+
+
+def test_no_two_replicates_share_a_fine_tuning_seed():
+    """Replicate r's fine-tuning seeds are the scale's moved past every seed of the replicates before it, however
+    the scale's are spaced."""
+    import reproduce
+    seeds = lambda given, R: [reproduce.ft_seeds({"ft": {"seeds": given}}, r) for r in range(1, R + 1)]  # noqa: E731
+    assert seeds("42,43", 3) == ["42,43", "44,45", "46,47"] and seeds("42", 3) == ["42", "43", "44"]
+    spaced = [set(s.split(",")) for s in seeds("42,44,50", 4)]
+    assert all(not spaced[i] & spaced[j] for i in range(4) for j in range(i)) and spaced[0] == {"42", "44", "50"}
+
+
+def test_the_needle_reads_up_to_the_length_each_scale_trained_at(tmp_path):
+    """The needle's lengths: powers of two from the scale's shortest up to the sequence length its train.py
+    recipe trains at, that length included."""
+    import reproduce
+    from train import RECIPES, Config
+    for scale, s in reproduce.DETOUR.items():
+        command = reproduce.needle_stage(s, tmp_path, 2, tmp_path / "heldout.jsonl").command
+        lengths = [int(x) for x in reproduce.flag(command, "lengths").split(",")]
+        seq_len = {**vars(Config()), **RECIPES[s["recipe"]]}["seq_len"]
+        assert lengths == [s["needle"]["shortest"] * 2 ** i for i in range(len(lengths))] and lengths[-1] == seq_len
+
+
+def test_the_loss_differences_are_paired_t_intervals_whose_verdicts_follow_them():
+    """Each model's final validation losses (the last eval of each replicate) against its reference's, replicate by
+    replicate: the 95% interval of scipy's t, "lower" or "higher" only where it excludes 0, the difference a
+    two-sided t test over the replicates detects with 80% power (scipy's noncentral t), and whether the two
+    trained different objectives."""
+    import numpy as np
+    from scipy import stats
+    import reproduce
+    base = {"mlm": [3.0, 3.2, 3.1], "clm": [6.0, 6.1, 6.3]}
+    shift = {"a": {"mlm": [-0.10, -0.13, -0.08], "clm": [0.05, -0.06, 0.02]},
+             "b": {"mlm": [0.30, 0.36, 0.41], "clm": [-0.9, -1.0, -1.2]}}
+    runs = {}
+    for r in range(3):
+        for m, objective in (("mlm", "mlm"), ("a", "mlm"), ("b", "clm")):
+            final = [base[k][r] + (shift[m][k][r] if m in shift else 0.0) for k in ("mlm", "clm")]
+            runs[f"{m}-r{r + 1}"] = dict(objective=objective, continues="", val=[[512, 9.0, 9.0], [1024, *final]])
+    got = reproduce.losses(runs, ["mlm", "a", "b"], "mlm", 3)
+    t = stats.t.ppf(0.975, 2)
+    for m, key, verdict in (("a", "mlm", "lower"), ("a", "clm", "no detectable difference"), ("b", "mlm", "higher"),
+                            ("b", "clm", "lower")):
+        d, row = np.array(shift[m][key]), got[m][f"val_{key}"]
+        se = d.std(ddof=1) / np.sqrt(3)
+        assert row["each"] == pytest.approx([x + y for x, y in zip(base[key], d)])
+        assert [row["difference"][k] for k in ("mean", "low", "high")] == pytest.approx(
+            [d.mean(), d.mean() - t * se, d.mean() + t * se])
+        assert row["difference"]["verdict"] == verdict
+        nc = row["difference"]["detectable"] / se
+        assert stats.nct.sf(t, 2, nc) + stats.nct.cdf(-t, 2, nc) == pytest.approx(0.8, abs=1e-3)
+        assert row["difference"]["by_construction"] == (m == "b")
+    assert "difference" not in got["mlm"]["val_mlm"]
+    from machinery.report import summary  # the verdicts' list says each of them of its own loss
+    line = next(x for x in summary({"losses": {"t": got}, "finetune": {}, "replicates": 3}, {"names": {}})
+                if x.startswith("- **a**"))
+    assert re.fullmatch(r"- \*\*a\*\* against mlm: validation MLM loss -0\.103 \[\S+ \S+\] \(lower\); validation CLM "
+                        r"loss \+0\.003 \[\S+ \S+\] \(no detectable difference\)\.", line), line
+
+
+def test_the_appendix_averages_each_settings_dev_and_test_scores_over_every_run(tmp_path):
+    """The appendix (per_setting): per fine-tuned model, task and lr, the mean dev and the mean test score over every
+    seed of every replicate, and the task's majority baseline on dev, from results files as eval.py writes them."""
+    import reproduce
+    s, models = {"lrs": [1e-3, 3e-3]}, reproduce.FINETUNED["detour"]
+    (tmp_path / "finetune").mkdir()
+    for i, m in enumerate(models):
+        for lr in s["lrs"]:
+            for r in (1, 2):  # two seeds each: dev i + lr + 0.1 r + 0.01 k, test 0.5 - 0.1 r - 0.01 k
+                seeds = {str(40 + 2 * r + k): {"dev": {"f1": i + lr + 0.1 * r + 0.01 * k},
+                                               "test": {"f1": 0.5 - 0.1 * r - 0.01 * k}} for k in (0, 1)}
+                task = dict(primary="f1", kind="ner", majority="O", scored=["O"], seeds=seeds,
+                            baseline={"dev": {"f1": 0.2}, "test": {"f1": 0.25}})
+                reproduce.ft_path(tmp_path, f"{m}-r{r}", lr).write_text(json.dumps({"tasks": {"ncbi_disease": task}}))
+    table = reproduce.per_setting(tmp_path, s, "detour", 2)
+    assert list(table) == models
+    for i, m in enumerate(models):
+        for lr in s["lrs"]:
+            row = table[m]["ncbi_disease"][f"{lr:g}"]
+            assert row == dict(metric="f1", dev=pytest.approx(i + lr + 0.155), test=pytest.approx(0.345),
+                               dev_baseline=0.2, runs=4)

@@ -844,6 +844,23 @@ def test_rng_state_round_trips_through_json():
     assert torch.equal(torch.rand(5), expected)
 
 
+def test_a_write_that_fails_midway_leaves_the_file_that_was_there(tmp_path):
+    """cli.write_text (the JSON files, results and reports the scripts write): a failure while its pieces are written
+    (a full disk, an error in what makes them) leaves the old file whole and no temporary file beside it."""
+    from machinery import cli
+    path = tmp_path / "report.json"
+    path.write_text("the old results\n")
+
+    def pieces():
+        yield "the new results, half of them"
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError):
+        cli.write_text(path, pieces())
+    assert path.read_text() == "the old results\n" and os.listdir(tmp_path) == ["report.json"]
+    cli.write_text(path, iter(["the new ", "results\n"]))
+    assert path.read_text() == "the new results\n" and os.listdir(tmp_path) == ["report.json"]
+
+
 def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatch):
     """A checkpoint's code version: the commit where git has one, and a hash of every script and machinery module
     (cli.source_digest), the same for the same code anywhere and different after an edit to any of them."""
@@ -865,6 +882,11 @@ def test_code_version_hashes_every_script_and_the_machinery(tmp_path, monkeypatc
         (root / path).write_text("x = 1\n")
         assert (cli.source_digest(now=True)[:16] != versions[None]["sha256"]) == counts, path
         (root / path).unlink()
+    # one digit changed in place (a constant edited): the file keeps its name and its length, and is other code
+    kept = (root / "machinery" / "compare.py").read_bytes()
+    i = next(i for i, b in enumerate(kept) if chr(b).isdigit())
+    (root / "machinery" / "compare.py").write_bytes(kept[:i] + (b"2" if kept[i:i + 1] == b"1" else b"1") + kept[i + 1:])
+    assert cli.source_digest(now=True)[:16] != versions[None]["sha256"]
 
 
 def test_code_version_names_the_commit_and_whether_the_code_that_ran_differs_from_it(tmp_path, monkeypatch):
