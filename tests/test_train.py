@@ -628,15 +628,17 @@ def test_freezing_leaves_frozen_blocks_bit_identical_and_out_of_the_clipping(cor
         return model, source
     monkeypatch.setattr(train, "build_model", without_gradients)
     reference, _ = run(corpus, tmp_path / "reference", *decay)
-    norms = [r["grad_norm"] for r in map(json.loads, open(tmp_path / "decay" / "log.jsonl")) if "loss" in r]
-    assert min(norms) > 0.05
+    norms = {run: [r["grad_norm"] for r in map(json.loads, open(tmp_path / run / "log.jsonl")) if "loss" in r]
+             for run in ("decay", "reference")}
+    assert min(norms["decay"]) > 0.05 and norms["decay"] == pytest.approx(norms["reference"], rel=1e-6)
     for name, tensor in before.items():
         block = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if block in (0, 1):
             assert torch.equal(tensor, after[name]) and torch.equal(tensor, reference[name]), f"frozen {name} moved"
         else:
             assert not torch.equal(tensor, after[name]), f"{name} did not train"
-            assert torch.equal(after[name], reference[name]), f"{name} trained otherwise than without the blocks"
+            # equal but for the last bits: the norm sums the frozen blocks' zeros in another order
+            assert torch.allclose(after[name], reference[name], rtol=0, atol=1e-8), f"{name} trained otherwise"
 
 
 # The paper's depths: ModernBERT-base has 22 blocks, large 28. (preset, --freeze, the blocks it names)
