@@ -653,6 +653,24 @@ def test_an_error_at_each_writer_leaves_the_previous_checkpoint(tmp_path, monkey
         assert tree(tmp_path / "run") == before and leftovers(run) == []
 
 
+
+def test_a_save_writes_over_what_a_killed_save_of_the_same_step_left_under_our_pid(tmp_path):
+    """A process often gets the pid its killed predecessor had (train.py as a container's first process): the
+    save that was killed left checkpoints/.tmp-step-N-<pid>, and the resume's first save, of the same step N,
+    writes the checkpoint there all the same."""
+    run = RunDir.create(str(tmp_path / "run"))
+    save(run, 1)
+    left = os.path.join(run.checkpoints, f".tmp-step-00000002-{os.getpid()}")
+    os.makedirs(left)
+    with open(os.path.join(left, rundir.MARKER), "w") as f:
+        f.write(run.run_id + "\n")
+    with open(os.path.join(left, "model.safetensors"), "wb") as f:
+        f.write(b"cut short")
+    assert run.latest_state()["phase_step"] == 1  # no state.json: not a checkpoint
+    save(run, 2)
+    check_checkpoint(run.latest_state(), 2)
+    assert leftovers(run) == []
+
 @pytest.mark.parametrize("checkpoints_of_room", [1.4, 2.2, 3.7])
 def test_a_real_full_disk_gives_one_error_and_keeps_the_previous_checkpoint(tmp_path, small_disk,
                                                                            checkpoints_of_room):
@@ -949,6 +967,24 @@ def test_append_log_writes_strict_json_lines(tmp_path):
         lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the log")) for line in f]
     assert lines == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": None, "mfu": None}]
 
+
+
+def test_a_resume_trims_the_log_to_its_checkpoint_and_keeps_every_record_on_a_line_of_its_own(tmp_path):
+    """trim_log keeps the records up to the checkpoint's step, that step's included, and drops a line a kill cut
+    short; a last record left without its newline (a disk that filled up just before it, an editor) gets one, so
+    that the next record is not glued to it (a line of two records would lose both)."""
+    run = RunDir.create(str(tmp_path / "run"))
+    with open(run.log_path, "w") as f:
+        f.write('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "loss": 1.5}')
+    run.trim_log(3)
+    run.append_log({"step": 4, "loss": 1.25})
+    with open(run.log_path) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+    with open(run.log_path, "a") as f:
+        f.write('{"step": 5, "lo')  # cut short by a kill
+    run.trim_log(2)
+    with open(run.log_path) as f:
+        assert [json.loads(line) for line in f] == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
 
 @pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
                                            (signal.SIGTERM, signal.SIGINT)])
