@@ -973,6 +973,29 @@ def test_a_signal_saves_says_how_to_continue_and_resumes_exactly(signum, corpus,
     assert lrs(out) == lrs(tmp_path / "straight")
 
 
+def test_the_step_lines_and_the_summary_tell_time_and_losses_as_the_run_went(corpus, tmp_path, monkeypatch, capsys):
+    """On a clock where each step takes 4,000 s: every step line says so (4000000 ms) and gives the time to the end
+    of this invocation (steps left x 4,000 s, in hours and minutes: 0 at its last step, whatever the budget); a
+    resumed invocation counts only its own steps, starts at no epoch of a run it continues (it is that run), and
+    its summary gives its own time and the last validation losses of the log."""
+    captured = []
+    plan = progress.plan
+    monkeypatch.setattr(progress, "plan", lambda r, steps: captured.append(r) or plan(r, steps))
+    monkeypatch.setattr(train, "time", argparse.Namespace(time=lambda: 4000.0 * captured[-1].phase_step))
+    out, lines = tmp_path / "run", re.compile(r"mlm step (\d)/3 \|.* \| (\d+) ms \|.* \| eta (\S+)$")
+    train.main([f"--data={corpus}", f"--out_dir={out}", *small(f"--tokens={3 * STEP_TOKENS}", "--log_interval=1",
+                                                               "--eval_interval=2", "--max_steps=1")])
+    train.main([f"--out_dir={out}", "--resume"])
+    printed = capsys.readouterr().out
+    said = [m.groups() for m in map(lines.match, printed.splitlines()) if m]
+    assert said == [("1", "4000000", "0m00s"), ("2", "4000000", "1h06m"), ("3", "4000000", "0m00s")]
+    assert "stopped at step 1 of 3 (--max_steps) after 1h06m" in printed and "from epoch" not in printed
+    last = [r for r in map(json.loads, open(out / "log.jsonl")) if "val_mlm" in r]
+    assert [r["step"] for r in last] == [2, 3]
+    assert f"2h13m this invocation; validation MLM {last[-1]['val_mlm']:.4f}, CLM {last[-1]['val_clm']:.4f}\n" \
+        in printed
+
+
 def test_help_lists_every_flag_with_the_chosen_recipes_default():
     for argv, seq_len in ((["--help"], 256), (["--recipe=paper", "-h"], 8192)):
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True)
