@@ -79,6 +79,7 @@ def test_offsets_add_up_over_a_chain_recorded_from_another_directory(tmp_path, m
     make_run(out / "start", phase_log("mlm", 4, 10))
     make_run(out / "clm", phase_log("clm", 3, 7))
     child = make_run(out / "clm-decay", phase_log("decay", 2, 5))
+    checkpoint(out / "clm", 3, "clm", 21, [], CLM)
     history = [dict(phase="mlm", tokens=40, dir="out/start"),
                dict(phase="clm", tokens=21, dir="out/clm/checkpoints/step-00000003")]
     os.makedirs(tmp_path / "elsewhere")
@@ -86,6 +87,8 @@ def test_offsets_add_up_over_a_chain_recorded_from_another_directory(tmp_path, m
     segments = curves.series(child, history)
     assert [s["offset"] for s in segments] == [0, 40, 61]
     assert [tokens(s["train"]) for s in segments] == [[10, 20, 30, 40], [47, 54, 61], [66, 71]]
+    # the clm phase's configuration is read where its log was found: its train loss says what it measures
+    assert [s["objective"] for s in segments] == ["mlm phase", "CLM (next token)", "decay phase"]
 
 
 @pytest.mark.parametrize("folder, run_dir", [
@@ -310,6 +313,8 @@ def test_a_phase_switch_is_named_inside_its_panel(tmp_path, monkeypatch):
     (name,) = loss_ax.texts
     inside, box = loss_ax.get_window_extent(renderer), name.get_window_extent(renderer)
     assert name.get_text().strip() == "clm -> decay"
+    switches = [line.get_xdata()[0] for ax in figures[0].axes for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert switches == [2000, 2000]  # on both panels, where the decay starts
     assert inside.x0 <= box.x0 and box.x1 <= inside.x1, (box, inside)
 
 
@@ -350,6 +355,9 @@ def test_train_losses_name_their_objective_and_masking_rate(tmp_path, monkeypatc
     labels = {line.get_label() for line in loss_ax.get_lines()}
     assert {"train loss, CLM (next token)", "train loss, MLM, 15% masked"} <= labels
     assert not any(label.startswith("train loss, MLM, 30%") for label in labels)
+    train = [line for line in loss_ax.get_lines() if line.get_alpha() == 0.5]  # each objective's phases alone
+    assert [(line.get_label(), min(line.get_xdata()), max(line.get_xdata())) for line in train] == [
+        ("train loss, CLM (next token)", 100, 1000), ("train loss, MLM, 15% masked", 1100, 1200)]
     lr = [line for line in lr_ax.get_lines() if line.get_drawstyle() == "steps-pre"]
     assert [list(line.get_xdata()) for line in lr] == [[0, *range(100, 1001, 100)], [1000, 1100, 1200]]
 
@@ -361,3 +369,12 @@ def test_eval_curves_says_what_it_wrote(tmp_path, capsys):
     out = tmp_path / "cmp.png"
     ev.main(["curves", decay, mlm, f"--out={out}", "--names=CLM,MLM"])
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out} (a picture: open it in any image viewer)"
+
+
+def test_runs_of_one_name_are_told_apart_by_their_paths(tmp_path, monkeypatch):
+    """out/a/clm and out/b/clm compared without --names: the legend names each by its path, not both "clm"."""
+    pytest.importorskip("matplotlib")
+    runs = [make_run(tmp_path / folder / "clm", phase_log("clm", 3, 10)) for folder in ("a", "b")]
+    figures = drawn(monkeypatch)
+    curves.draw_runs(runs, str(tmp_path / "cmp.png"), dpi=20)
+    assert {t.get_text() for t in figures[0].legends[0].get_texts()} == {os.path.normpath(r) for r in runs}

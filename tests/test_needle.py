@@ -2,6 +2,7 @@
 positions and seeds, the haystack's texts changing nothing else, the Wilson interval against scipy, bad input
 refused before any model is loaded, and the command line."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -59,6 +60,16 @@ class Told(torch.nn.Module):
         return F.one_hot(h[..., 0].long(), BYTE_IDS["vocab_size"]).float()  # (M, vocab)
 
 
+class HalfTold(Told):
+    """Told, but wrong at the value's last token: no example filled whole, most of each value's tokens filled."""
+
+    def encode(self, ids, attention_mask=None):
+        out = super().encode(ids)
+        for b, row in enumerate(ids.tolist()):
+            out[b, max(t for t, x in enumerate(row) if x == TOK.mask_id)] = TOK.mask_id
+        return out
+
+
 def test_a_model_told_the_answer_scores_every_example_and_none_without_the_needle(models, texts, tmp_path,
                                                                                  monkeypatch):
     monkeypatch.setattr(nd, "load_weights", lambda info, device: Told())
@@ -75,6 +86,37 @@ def test_a_model_told_the_answer_scores_every_example_and_none_without_the_needl
         assert (cell["exact_low"], cell["exact_high"]) == pytest.approx(nd.wilson(6, 6))
         assert 0.5 < cell["exact_low"] < cell["exact_high"] == 1  # 6 of 6: the interval is not empty at the edge
     assert json.loads((tmp_path / "told.json").read_text())["arms"]["told"]["mean"] == arm["mean"]
+
+
+def test_an_arm_is_its_replicates_mean_in_the_json_the_printed_tables_and_the_heat_map(models, texts, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Two replicates that differ (one fills every value, one all but each value's last token): the arm's cell is
+    the mean of both, and the tables print its exact match and token accuracy (%, 95% interval), the heat map
+    its exact match."""
+    from machinery import report
+    monkeypatch.setattr(nd, "load_weights", lambda info, device: Told() if info["path"] == str(models[0])
+                        else HalfTold())
+    figures = []
+    monkeypatch.setattr(report, "save", lambda fig, path: figures.append(fig))
+    r = nd.needle([f"{models[0]},{models[1]}"], texts, ModernBERT, names=["arm"], lengths=(64, 96), depths=(0, 100),
+                  n=4, out=tmp_path / "arm.json", device="cpu")
+    mean, replicates = r["arms"]["arm"]["mean"], r["arms"]["arm"]["replicates"]
+    for length, row in mean.items():
+        for column, cell in row.items():
+            assert cell == nd.replicates_cell([rep["cells"][length][column] for rep in replicates])
+            if column != "no needle":
+                assert cell["exact"] == 0.5 and 0.5 < cell["token"] < 1, (length, column)
+    printed = capsys.readouterr().out
+    for key, title in (("exact", "exact match of the whole value"), ("token", "token accuracy")):
+        rows = printed.split(f"**{title}**")[1].strip().split("\n\n")[0].splitlines()[2:]
+        assert len(rows) == 2
+        for line, length in zip(rows, ("64", "96")):
+            cells = [mean[length][c] for c in r["columns"]]
+            assert [c.strip() for c in line.strip("|").split("|")] == ["arm (2)", length, *(
+                f"{100 * c[key]:.0f} [{100 * c[key + '_low']:.0f}, {100 * c[key + '_high']:.0f}]" for c in cells)]
+    (fig,) = figures
+    assert np.array_equal(fig.axes[0].images[0].get_array(),
+                          [[100 * mean[length][c]["exact"] for c in r["columns"]] for length in ("64", "96")])
 
 
 def test_examples_have_the_requested_lengths_and_the_needle_where_its_depth_says(texts):
@@ -106,6 +148,28 @@ def test_examples_have_the_requested_lengths_and_the_needle_where_its_depth_says
     for ex in examples:  # every depth and both controls of one example share its value
         by_index.setdefault((ex["length"], ex["index"]), set()).add(ex["value"])
     assert all(len(v) == 1 for v in by_index.values())
+
+
+def test_a_haystack_is_the_texts_in_order_from_one_texts_start_and_every_depth_shares_it(texts):
+    """Each example's haystack (the no-needle control's) is the texts, each with a leading space, read in order from
+    the start of one of them and wrapping round after the last; examples start at different texts; every depth of an
+    example is that haystack, less as many of its last tokens as the needle takes, with the needle put in."""
+    few = pool(texts)[:5]
+    docs = [TOK.encode(" " + t) for t in few]
+    stream = [t for d in docs for t in d]
+    starts = [sum(len(d) for d in docs[:k]) for k in range(len(docs))]
+    L = len(stream) - 10  # a haystack of nearly every token: one that starts past the first text wraps round
+    examples = nd.needle_examples(TOK, few, (L,), (0, 50, 100), n=8, seed=0)
+    found = set()
+    for bare in (ex for ex in examples if ex["column"] == "no needle"):
+        hay = bare["ids"][1:bare["masked"][0] - len(PREFIX)]
+        (first,) = [s for s in starts if (stream + stream)[s:s + len(hay)] == hay]
+        found.add(first)
+        for ex in (e for e in examples if e["index"] == bare["index"] and e["column"] in ("0", "50", "100")):
+            at, needle = ex["needle_at"], len(PREFIX) + len(ex["answer"]) + 1  # the query is as long
+            shorter = bare["ids"][:-1 - 2 * needle] + bare["ids"][-1 - needle:]  # the haystack's last tokens make room
+            assert ex["ids"][:at] + ex["ids"][at + needle:] == shorter, ex["column"]
+    assert len(found) > 1 and max(found) + len(hay) > len(stream)  # several texts start one, and one wraps round
 
 
 def test_the_same_seed_gives_the_same_examples_and_another_seed_others(texts):
@@ -144,6 +208,24 @@ def test_wilson_interval_matches_scipy(k, n):
     assert nd.wilson(k, n) == pytest.approx((ci.low, ci.high), abs=1e-9)
 
 
+def test_a_cell_scores_the_whole_value_and_its_tokens_apart():
+    """Exact match counts an example whose every token is filled; token accuracy averages each example's share of
+    tokens, its interval scipy's t interval over the examples, cut to [0, 1] where t's reaches past 1."""
+    stats = pytest.importorskip("scipy.stats")
+    hits = [[True, True, True], [True, False, True], [False, False, False], [True, True, False]] * 2
+    cell = nd.needle_cell(hits)
+    share = [1, 2 / 3, 0, 2 / 3] * 2
+    assert (cell["n"], cell["exact"], cell["exact_each"]) == (8, 0.25, [1, 0, 0, 0] * 2)
+    assert (cell["exact_low"], cell["exact_high"]) == pytest.approx(nd.wilson(2, 8))
+    assert cell["token"] == pytest.approx(np.mean(share)) and cell["token_each"] == pytest.approx(share)
+    t = stats.t.interval(0.95, 7, loc=np.mean(share), scale=stats.sem(share))
+    assert 0 < t[0] < t[1] < 1
+    assert (cell["token_low"], cell["token_high"]) == pytest.approx(t)
+    high = nd.needle_cell([[True, True]] * 2 + [[True, False]])  # t's interval reaches past 1
+    assert high["token_high"] == 1 and high["token_low"] == pytest.approx(
+        stats.t.interval(0.95, 2, loc=5 / 6, scale=stats.sem([1, 1, 0.5]))[0])
+
+
 def test_an_arm_that_misses_everything_is_not_certain_of_zero():
     """Three replicates that each miss all 30 examples: the spread is 0, yet 30 examples bound the rate at the
     Wilson interval of 0 in 30, not at [0, 0]; where replicates differ, the interval is eval.interval's."""
@@ -158,6 +240,18 @@ def test_an_arm_that_misses_everything_is_not_certain_of_zero():
     iv = interval(lambda t: t[..., 0] / t[..., 1], np.stack([each, np.ones_like(each)], -1)[:, None])
     assert cell["exact"] == pytest.approx(each.mean()) and cell["exact_high"] == pytest.approx(min(1, iv["high"]))
     assert cell["exact_low"] == pytest.approx(max(0, min(iv["low"], nd.wilson(each.mean(0).sum(), 40)[0])))
+
+
+def test_an_arms_exact_match_holds_the_wilson_interval_of_its_replicates_mean_and_intervals_stay_in_0_1():
+    """Replicates that fill 0, 0 and 1 of 30 examples: the Wilson bound is that of the mean over replicates (1/3 of
+    an example), not of one replicate; replicates near 1 have their token accuracy's interval cut at 1."""
+    cells = [nd.needle_cell([[1, 1]] * k + [[0, 1]] * (30 - k)) for k in (0, 0, 1)]
+    assert nd.replicates_cell(cells)["exact_high"] == pytest.approx(nd.wilson(1 / 3, 30)[1])
+    cells = [nd.needle_cell([[1, 0]] * k + [[1, 1]] * (6 - k)) for k in (0, 0, 2)]
+    each = np.array([c["token_each"] for c in cells])
+    iv = interval(lambda t: t[..., 0] / t[..., 1], np.stack([each, np.ones_like(each)], -1)[:, None])
+    cell = nd.replicates_cell(cells)
+    assert iv["high"] > 1 and cell["token_high"] == 1 and cell["token_low"] == pytest.approx(iv["low"])
 
 
 def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_path, monkeypatch):
@@ -175,6 +269,12 @@ def test_bad_input_is_one_error_before_any_model_is_loaded(models, texts, tmp_pa
         nd.needle([models[0]], texts, ModernBERT, lengths=(32, 64), **kw)
     with pytest.raises(InputError, match="has the same weights as"):
         nd.needle([f"{models[0]},{models[0]}"], texts, ModernBERT, lengths=(64,), **kw)
+    other = tmp_path / "m2-other"  # m2 with another tokenizer: NFKC gives a ligature other ids
+    shutil.copytree(models[1], other)
+    config = json.loads((other / "tokenizer.json").read_text())
+    (other / "tokenizer.json").write_text(json.dumps({**config, "normalizer": {"type": "NFKC"}}))
+    with pytest.raises(InputError, match="the models use different tokenizers"):
+        nd.needle([models[0], other], texts, ModernBERT, lengths=(64,), **kw)
     assert not (tmp_path / "x.json").exists()
 
 
