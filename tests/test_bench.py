@@ -444,6 +444,54 @@ def test_the_bench_rows_count_their_tokens_and_flops(monkeypatch):
         assert row["ours"]["mfu"] == pytest.approx(flops * speed / 1e12, rel=1e-9), phase
 
 
+def test_transformers_gets_the_causal_masks_our_model_computes():
+    """The masks bench.py hands transformers' ModernBERT for CLM (it has no causal mode) are model.py's mask_rule:
+    causal in the global layers, causal within the window in the local ones (True: the key is seen)."""
+    from model import mask_rule
+    T, window = 20, 4
+    i = torch.arange(T)
+    masks = bench.causal_masks(T, window, torch.device("cpu"))
+    for kind, local in (("full_attention", False), ("sliding_attention", True)):
+        want = mask_rule(True, window, local)(0, None, i[:, None], i[None, :])
+        assert masks[kind].shape == (1, 1, T, T) and torch.equal(masks[kind][0, 0], want), kind
+
+
+def test_each_tests_result_is_recorded_as_it_ends(tmp_path, monkeypatch):
+    """gpureport.record on pytest's reports (made up here): a test's call gives its outcome, a failure in a fixture
+    is an error, a skip at setup is a skip; the note is the skip's reason, the failure's first 'E' line, or the
+    properties a test recorded; an xdist worker writes nothing (its controller reports its tests). suite_section
+    counts them and keeps each note inside its table cell."""
+    from types import SimpleNamespace as Report
+    gpureport = bench.gpureport
+    monkeypatch.setenv(gpureport.RESULTS, str(tmp_path / "results.jsonl"))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    base = dict(duration=1.5, user_properties=[], longrepr=None, longreprtext="", skipped=False, failed=False)
+    reports = [
+        dict(nodeid="tests/test_x.py::test_a", when="call", outcome="passed", user_properties=[("tok/s", 123)]),
+        dict(nodeid="tests/test_x.py::test_b", when="call", outcome="failed", failed=True,
+             longreprtext=">   assert x == 'a|b'\nE   assert 1 == 'a|b'\nE   more"),
+        dict(nodeid="tests/test_x.py::test_c", when="setup", outcome="skipped", skipped=True,
+             longrepr=("f.py", 3, "Skipped: needs a CUDA device")),
+        dict(nodeid="tests/test_x.py::test_d", when="setup", outcome="failed", failed=True,
+             longreprtext="E   RuntimeError: the fixture broke"),
+        dict(nodeid="tests/test_x.py::test_d", when="teardown", outcome="passed"),
+        dict(nodeid="tests/test_x.py::test_e", when="call", outcome="skipped", skipped=True,
+             longrepr=("f.py", 9, "Skipped: no flash-attn"))]
+    for report in reports:
+        gpureport.record(Report(**{**base, **report}))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    gpureport.record(Report(**{**base, **reports[0]}))
+    results = gpureport.suite_results(tmp_path / "results.jsonl")
+    assert results == [("test_x::test_a", "passed", 1.5, "tok/s: 123"),
+                       ("test_x::test_b", "failed", 1.5, "assert 1 == 'a|b'"),
+                       ("test_x::test_c", "skipped", 1.5, "needs a CUDA device"),
+                       ("test_x::test_d", "error", 1.5, "RuntimeError: the fixture broke"),
+                       ("test_x::test_e", "skipped", 1.5, "no flash-attn")]
+    section = gpureport.suite_section(results, "cmd", 120, stopped=False)
+    assert section.startswith("## `cmd`: 1 passed, 1 failed, 1 error, 2 skipped in 2.0 min\n")
+    assert "| test_x::test_b | failed | 1.5 | assert 1 == 'a\\|b' |" in section
+    assert gpureport.cell("x" * 300) == "x" * 197 + "..." and gpureport.cell("a\n  b") == "a b"
+
 def test_the_prepare_table_fits_amdahl_and_projects_the_fit(capsys):
     """print_prepare on times that follow T(n) = 2 s + 6 s / n exactly (1,000,000 tokens): the speed-ups, ours over
     the peer's, the fit's two terms and serial share (2 / 8), and the projection of the fit to 32 and 64 cores;
