@@ -95,6 +95,16 @@ def test_a_run_compiles_within_its_budget(backend, phase, separate_documents, de
     assert sum("val_clm" in r for r in records) == 2  # both validations ran, after each step
 
 
+def test_a_smaller_compile_budget_never_lowers_a_larger_one():
+    """configure_compiler only raises dynamo's limit: on a GPU the blocks ask for 18 graphs, then FlexAttention's
+    compiled kernel for 12 at its first use; lowered to 12, the blocks' 13th graph would run them eager."""
+    with torch._dynamo.config.patch(recompile_limit=8):
+        kernels.configure_compiler(18)
+        kernels.configure_compiler(12)
+        assert torch._dynamo.config.recompile_limit == 18
+        kernels.configure_compiler(24)
+        assert torch._dynamo.config.recompile_limit == 24
+
 @pytest.mark.slow  # three tiny runs that trace their graphs: about 20 s
 def test_a_resumed_process_runs_the_graphs_the_uninterrupted_run_ran(demo_corpus, tmp_path, monkeypatch,
                                                                     default_limit):
