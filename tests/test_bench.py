@@ -1,5 +1,6 @@
 """bench.py runs on a CPU (tiny preset), so CI exercises the code that produces the GPU table; gpu-report's
 markdown is built here from a real pytest JUnit file and real bench rows (only the GPU itself is a double)."""
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -201,16 +202,23 @@ def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
         bench.resolve(args)
         assert args.workers == want, cores
     assert args.device == torch.device("cuda:0")
-    ran, resolve = [], bench.resolve
-    monkeypatch.setattr(bench.gpureport, "run_suite", lambda cmd, results, seconds: ran.append(cmd) or (5, 0.0))
+    ran, resolve, ends = [], bench.resolve, [5]  # the suite's exit status, None where it was stopped
+    monkeypatch.setattr(bench.gpureport, "run_suite",
+                        lambda cmd, results, seconds: ran.append((cmd, seconds)) or (ends[0], 0.0))
     monkeypatch.setattr(bench.gpureport, "environment", lambda device: [])
     monkeypatch.setattr(bench, "attention_rows", lambda device, **shape: [])
     monkeypatch.setattr(bench, "LEVERS", [])
     args.threads, args.device = 1, torch.device("cpu")
     with contextlib.redirect_stdout(io.StringIO()):
-        bench.gpu_report(args)
-    assert ran == ["python -m pytest -m gpu -rA -n 8"]
-    assert "## `python -m pytest -m gpu -rA -n 8`:" in (tmp_path / "r.md").read_text()
+        assert bench.gpu_report(args) == 0  # nothing failed, nothing left out
+    assert ran == [("python -m pytest -m gpu -rA -n 8", pytest.approx(9 * 60 / 2))]  # half of --minutes=9
+    assert "## `python -m pytest -m gpu -rA -n 8`: 0 passed, 0 failed, 0 error, 0 skipped in 0.0 min\n" in (
+        tmp_path / "r.md").read_text()
+    ends[0] = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.gpu_report(args) == 1  # the suite stopped at its limit: the report is incomplete
+    assert "0 skipped in 0.0 min; stopped at its time limit: the tests not listed did not run" in (
+        tmp_path / "r.md").read_text()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a))
     args = bench.parser().parse_args(["gpu-report", out])
@@ -371,6 +379,134 @@ def test_gpu_report_runs_what_fits_in_its_time(tmp_path):
     status, stdout, markdown, _ = cpu_gpu_report(tmp_path, ROW_SECONDS=10**9, SUITE="python -c pass")
     assert status == 1 and "today's step: not run (time)" in stdout
     assert len([row for row in table_rows(markdown, "") if "not run: the time limit" in row]) == 3
+
+
+
+def test_the_levers_table_compares_each_row_with_todays_step_and_the_peer():
+    """levers_section and the train bench's line on rows made up here: a lever's 'vs today's step' is its tok/s over
+    today's step's of the same phase and length ('-' for today's step itself, and where no such step ran), the ratio
+    is ours over transformers', and rows failed or not run say so."""
+    ours = lambda speed, mfu, gib: dict(tokens_per_s=speed, ms=1.0, mfu=mfu, memory_gb=gib)  # noqa: E731
+    today = dict(preset="base", phase="mlm", seq_len=8192, micro=4, backend="flex", loss="plain", compile="blocks",
+                 deterministic=True, residual="fp32", ours=ours(100_000, 0.4, 30.0), peer_attention="-", peer=None,
+                 loss_ours=10.5, loss_peer=None)
+    rows = [("today's step", today),
+            ("--backend=flex+sdpa", {**today, "backend": "flex+sdpa", "ours": ours(125_000, 0.5, 28.04)}),
+            ("a clm lever", {**today, "phase": "clm", "ours": ours(90_000, 0.36, 29.0)}),
+            ("against transformers", {**today, "seq_len": 1024, "micro": 32, "peer_attention": "sdpa",
+                                      "peer": ours(80_000, 0.32, 20.0), "loss_peer": 10.50013}),
+            ("--backend=flash", {**today, "backend": "-", "ours": "failed: RuntimeError"}),
+            ("inductor times its kernels", None)]
+    table = bench.levers_section(rows, argparse.Namespace(warmup=3, steps=10))
+    got = {r[0]: r for r in table_rows(table, "")}
+    assert got["today's step"][8:12] == ["100,000", "40.0%", "30.0", "-"]
+    assert got["--backend=flex+sdpa"][8:12] == ["125,000", "50.0%", "28.0", "1.25x"]
+    assert got["a clm lever"][11] == "-" and got["against transformers"][11] == "-"  # no today's step to compare
+    assert got["against transformers"][12:] == ["sdpa", "80,000", "1.25x", "10.5000 / 10.5001"]
+    assert got["--backend=flash"][8] == "failed: RuntimeError" and got["--backend=flash"][14] == "-"
+    assert "not run: the time limit" in got["inductor times its kernels"]
+    line = bench.format_row(rows[3][1]).split("|")
+    assert line[1].split() == ["100,000", "40.0%", "30.0"] and line[-2].strip() == "1.25x"
+    assert line[2].split() == ["80,000", "32.0%", "20.0", "sdpa"] and line[-1].split() == ["10.5000", "10.5001"]
+
+
+def test_attention_kernels_count_the_keys_each_query_sees():
+    """The TFLOP/s of gpu-report's attention rows, on a CPU at 64 tokens and a window of 8: 12 d FLOPs per key and
+    query, forward and backward, over the keys a query sees: all 64 in a global layer, (64 + 1) / 2 on average when
+    causal, 2 x 8 + 1 in a local one and 8 + 1 when causal (the edges' shorter windows left out, as
+    model.flops_per_token leaves them)."""
+    B, T, H, D = 1, 64, 2, 16
+    keys = {"global, bidirectional": 64, "global, causal": 32.5, "local, bidirectional": 17, "local, causal": 9}
+    rows = bench.attention_rows(torch.device("cpu"), B, T, H, D, window=8, warmup=0, repeats=1)
+    assert [layer for layer, *_ in rows] == list(keys)  # on a CPU, SDPA alone trains
+    for layer, kernel, ms, speed in rows:
+        assert speed * 1e12 * ms / 1e3 == pytest.approx(12 * D * H * keys[layer] * B * T, rel=1e-9), layer
+
+
+def test_the_bench_rows_count_their_tokens_and_flops(monkeypatch):
+    """One timed step of the tiny model per phase on a CPU, MFU against a made-up peak of 1 TFLOP/s: tokens/s is the
+    micro-batch's tokens over the median step; MFU is model.flops_per_token (counted by hand in test_model.py) at
+    the rate the batch labels (30% for MLM, every position for CLM) times tokens/s, over the peak."""
+    import train
+    from model import ModernBERT, ModernBERTConfig
+    monkeypatch.setattr(train, "peak_flops", lambda device: 1e12)
+    cpu = torch.device("cpu")
+    args = argparse.Namespace(device=cpu, warmup=0, steps=1, peer_attention="auto")
+    x, y = bench.batch(50368, 64, 256, "mlm", cpu)
+    assert (y != -100).float().mean().item() == pytest.approx(0.3, abs=0.015) and ((y == x) | (y == -100)).all()
+    x, y = bench.batch(50368, 2, 64, "clm", cpu)
+    assert torch.equal(y[:, :-1], x[:, 1:]) and (y[:, -1] == -100).all()  # the next token
+    for phase, rate in (("mlm", 0.3), ("clm", 1.0)):
+        row = bench.measure(args, bench.Setting("tiny", phase, 64, 2, "sdpa", compile="none", peer=False))
+        flops = ModernBERT(ModernBERTConfig.from_preset("tiny")).flops_per_token(64, phase == "clm", rate)
+        speed = row["ours"]["tokens_per_s"]
+        assert row["tokens"] == 128 and speed * row["ours"]["ms"] / 1e3 == pytest.approx(128, rel=1e-9)
+        assert row["ours"]["mfu"] == pytest.approx(flops * speed / 1e12, rel=1e-9), phase
+
+
+def test_transformers_gets_the_causal_masks_our_model_computes():
+    """The masks bench.py hands transformers' ModernBERT for CLM (it has no causal mode) are model.py's mask_rule:
+    causal in the global layers, causal within the window in the local ones (True: the key is seen)."""
+    from model import mask_rule
+    T, window = 20, 4
+    i = torch.arange(T)
+    masks = bench.causal_masks(T, window, torch.device("cpu"))
+    for kind, local in (("full_attention", False), ("sliding_attention", True)):
+        want = mask_rule(True, window, local)(0, None, i[:, None], i[None, :])
+        assert masks[kind].shape == (1, 1, T, T) and torch.equal(masks[kind][0, 0], want), kind
+
+
+def test_each_tests_result_is_recorded_as_it_ends(tmp_path, monkeypatch):
+    """gpureport.record on pytest's reports (made up here): a test's call gives its outcome, a failure in a fixture
+    is an error, a skip at setup is a skip; the note is the skip's reason, the failure's first 'E' line, or the
+    properties a test recorded; an xdist worker writes nothing (its controller reports its tests). suite_section
+    counts them and keeps each note inside its table cell."""
+    from types import SimpleNamespace as Report
+    gpureport = bench.gpureport
+    monkeypatch.setenv(gpureport.RESULTS, str(tmp_path / "results.jsonl"))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    base = dict(duration=1.5, user_properties=[], longrepr=None, longreprtext="", skipped=False, failed=False)
+    reports = [
+        dict(nodeid="tests/test_x.py::test_a", when="call", outcome="passed", user_properties=[("tok/s", 123)]),
+        dict(nodeid="tests/test_x.py::test_b", when="call", outcome="failed", failed=True,
+             longreprtext=">   assert x == 'a|b'\nE   assert 1 == 'a|b'\nE   more"),
+        dict(nodeid="tests/test_x.py::test_c", when="setup", outcome="skipped", skipped=True,
+             longrepr=("f.py", 3, "Skipped: needs a CUDA device")),
+        dict(nodeid="tests/test_x.py::test_d", when="setup", outcome="failed", failed=True,
+             longreprtext="E   RuntimeError: the fixture broke"),
+        dict(nodeid="tests/test_x.py::test_d", when="teardown", outcome="passed"),
+        dict(nodeid="tests/test_x.py::test_e", when="call", outcome="skipped", skipped=True,
+             longrepr=("f.py", 9, "Skipped: no flash-attn"))]
+    for report in reports:
+        gpureport.record(Report(**{**base, **report}))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    gpureport.record(Report(**{**base, **reports[0]}))
+    results = gpureport.suite_results(tmp_path / "results.jsonl")
+    assert results == [("test_x::test_a", "passed", 1.5, "tok/s: 123"),
+                       ("test_x::test_b", "failed", 1.5, "assert 1 == 'a|b'"),
+                       ("test_x::test_c", "skipped", 1.5, "needs a CUDA device"),
+                       ("test_x::test_d", "error", 1.5, "RuntimeError: the fixture broke"),
+                       ("test_x::test_e", "skipped", 1.5, "no flash-attn")]
+    section = gpureport.suite_section(results, "cmd", 120, stopped=False)
+    assert section.startswith("## `cmd`: 1 passed, 1 failed, 1 error, 2 skipped in 2.0 min\n")
+    assert "| test_x::test_b | failed | 1.5 | assert 1 == 'a\\|b' |" in section
+    assert gpureport.cell("x" * 300) == "x" * 197 + "..." and gpureport.cell("a\n  b") == "a b"
+
+def test_the_prepare_table_fits_amdahl_and_projects_the_fit(capsys):
+    """print_prepare on times that follow T(n) = 2 s + 6 s / n exactly (1,000,000 tokens): the speed-ups, ours over
+    the peer's, the fit's two terms and serial share (2 / 8), and the projection of the fit to 32 and 64 cores;
+    worker_counts: the powers of two up to the cores, and the cores."""
+    bench.print_prepare([1, 2, 4], [8.0, 5.0, 3.5], [4.0, 10.0, 7.0], 1_000_000)
+    out = capsys.readouterr().out
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in out.splitlines()
+            if line.count("|") == 4}
+    assert rows["1"][1:] == ["125,000", "1.00x", "250,000", "0.50x"]
+    assert rows["4"][1:] == ["285,714", "2.29x", "142,857", "2.00x"]
+    assert "Amdahl fit T(n) = 2.000 s + 6.000 s / n: serial share 25.0% of the one-worker time" in out
+    for n in (32, 64):
+        rate = 1_000_000 / (2 + 6 / n)
+        assert f"{n} cores {rate:,.0f} tokens/s, 10B tokens in {10e9 / rate / 60:.1f} min" in out
+    assert [bench.worker_counts(n) for n in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
 
 
 @pytest.mark.slow  # a pytest process stopped at its limit of 20 s

@@ -95,6 +95,16 @@ def test_a_run_compiles_within_its_budget(backend, phase, separate_documents, de
     assert sum("val_clm" in r for r in records) == 2  # both validations ran, after each step
 
 
+def test_a_smaller_compile_budget_never_lowers_a_larger_one():
+    """configure_compiler only raises dynamo's limit: on a GPU the blocks ask for 18 graphs, then FlexAttention's
+    compiled kernel for 12 at its first use; lowered to 12, the blocks' 13th graph would run them eager."""
+    with torch._dynamo.config.patch(recompile_limit=8):
+        kernels.configure_compiler(18)
+        kernels.configure_compiler(12)
+        assert torch._dynamo.config.recompile_limit == 18
+        kernels.configure_compiler(24)
+        assert torch._dynamo.config.recompile_limit == 24
+
 @pytest.mark.slow  # three tiny runs that trace their graphs: about 20 s
 def test_a_resumed_process_runs_the_graphs_the_uninterrupted_run_ran(demo_corpus, tmp_path, monkeypatch,
                                                                     default_limit):
@@ -280,6 +290,14 @@ def test_auto_picks_flash_only_where_its_backward_repeats(monkeypatch):
         kernels.pick_backend(cuda, "flash", training=True, dtype=bf16)
 
 
+def test_pytorchs_own_flash_attention_is_found_where_it_has_a_window():
+    """PyTorch 2.11 and later have FlashAttention on packed sequences with a window (what the local layers need):
+    the flash backend finds it, its kernel on a GPU where flash-attn is not installed."""
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
+        pytest.skip(f"PyTorch {torch.__version__} has no varlen_attn with a window")
+    from torch.nn.attention.varlen import varlen_attn
+    assert kernels.varlen_attn is varlen_attn
+
 def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):
     """torchrun on GPUs (faked): rank 1's GPU is set, then the NCCL group is made with device_id, which binds the
     rank to that GPU at once (without it NCCL guesses the device at the first collective, with a warning)."""
@@ -326,18 +344,21 @@ def test_mfu_is_each_gpus_share_of_its_own_peak():
 
 
 def test_bench_peak_memory_leaves_out_the_warm_up(monkeypatch):
-    """bench.interleaved on a fake CUDA device: a warm-up step that allocates 100 (compilation, autotuning) and
-    timed steps that allocate 10 report 10."""
-    state = dict(peak=0)
+    """bench.interleaved on a fake CUDA device and clock, 50 bytes allocated before each step: warm-up steps that
+    allocate 100 (compilation, autotuning) and timed steps that allocate 10 report 10; the n-th step takes n
+    seconds, so the median of the 3 timed steps (3, 4, 5) is 4."""
+    state = dict(peak=0, clock=0.0)
     fake = types.SimpleNamespace(synchronize=lambda device: None, max_memory_allocated=lambda device: state["peak"],
-                                 reset_peak_memory_stats=lambda device: state.update(peak=0))
+                                 reset_peak_memory_stats=lambda device: state.update(peak=50))
     monkeypatch.setattr(torch, "cuda", fake)
-    monkeypatch.setattr(bench, "allocated", lambda device: 0)
+    monkeypatch.setattr(bench, "allocated", lambda device: 50)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: state["clock"]))
     calls = []
 
     def step():
         calls.append(1)
-        state["peak"] = 100 if len(calls) <= 2 else 10
+        state["peak"] = max(state["peak"], 50 + (100 if len(calls) <= 2 else 10))  # the allocator's high-water mark
+        state["clock"] += len(calls)
 
     (seconds, memory), = bench.interleaved([step], types.SimpleNamespace(type="cuda"), warmup=2, repeats=3)
-    assert len(calls) == 5 and memory == 10
+    assert len(calls) == 5 and memory == 10 and seconds == 4

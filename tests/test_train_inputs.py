@@ -300,6 +300,23 @@ def test_one_gpu_named_for_several_processes_is_refused(environment, demo_corpus
     assert not (tmp_path / "run").exists()
 
 
+
+def test_each_local_process_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """On a machine of 2 GPUs (faked): one process may name either; under 2 local processes, cuda and auto give each
+    the GPU of its LOCAL_RANK, and an index is refused (both processes would run on it); a GPU past the machine's is
+    named, for --device and for LOCAL_RANK alike."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.pick_device("cuda:1") == torch.device("cuda:1") and cli.pick_device("cuda") == torch.device("cuda:0")
+    for requested in ("cuda", "auto"):
+        assert cli.pick_device(requested, local_rank=1, local_world=2) == torch.device("cuda:1"), requested
+    with pytest.raises(InputError, match=r"^--device=cuda:0 names one device for the 2 processes on this machine"):
+        cli.pick_device("cuda:0", local_rank=1, local_world=2)
+    with pytest.raises(InputError, match=r"^--device=cuda:2: this machine has 2 GPU\(s\)"):
+        cli.pick_device("cuda:2")
+    with pytest.raises(InputError, match=r"^LOCAL_RANK=2 asks for GPU 2, and this machine has 2"):
+        cli.pick_device("auto", local_rank=2, local_world=3)
+
 def test_demo_recipe_refuses_a_pretrained_start(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     fails(capsys, [f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'o'}"], "--recipe=demo", "--recipe=paper")
