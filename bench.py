@@ -478,7 +478,8 @@ def attention_rows(device, B=4, T=8192, H=12, D=64, window=64, warmup=3, repeats
                     "sdpa: memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
     rows = []
     for layer, (causal, local) in layers.items():
-        keys = (window + 1 if causal else 2 * window + 1) if local else ((T + 1) / 2 if causal else T)
+        every = (T + 1) / 2 if causal else T  # a global layer's keys; a window past both ends sees no more
+        keys = min(window + 1 if causal else 2 * window + 1, every) if local else every
         flops = 12 * H * D * keys * B * T
         kernels = {name: (name, contextlib.nullcontext) for name, kind in BACKENDS.items()
                    if name != "reference" and kind.trains(device) and kind.computes(device, dtype)}

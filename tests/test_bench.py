@@ -414,13 +414,16 @@ def test_attention_kernels_count_the_keys_each_query_sees():
     """The TFLOP/s of gpu-report's attention rows, on a CPU at 64 tokens and a window of 8: 12 d FLOPs per key and
     query, forward and backward, over the keys a query sees: all 64 in a global layer, (64 + 1) / 2 on average when
     causal, 2 x 8 + 1 in a local one and 8 + 1 when causal (the edges' shorter windows left out, as
-    model.flops_per_token leaves them)."""
+    model.flops_per_token leaves them); a window wider than the sequence, a global layer's keys."""
     B, T, H, D = 1, 64, 2, 16
     keys = {"global, bidirectional": 64, "global, causal": 32.5, "local, bidirectional": 17, "local, causal": 9}
     rows = bench.attention_rows(torch.device("cpu"), B, T, H, D, window=8, warmup=0, repeats=1)
     assert [layer for layer, *_ in rows] == list(keys)  # on a CPU, SDPA alone trains
     for layer, kernel, ms, speed in rows:
         assert speed * 1e12 * ms / 1e3 == pytest.approx(12 * D * H * keys[layer] * B * T, rel=1e-9), layer
+    wide = bench.attention_rows(torch.device("cpu"), B, T, H, D, window=40, warmup=0, repeats=1)  # past both ends
+    for (layer, kernel, ms, speed), every in zip(wide, (64, 32.5, 64, 32.5)):
+        assert speed * 1e12 * ms / 1e3 == pytest.approx(12 * D * H * every * B * T, rel=1e-9), layer
 
 
 def test_the_bench_rows_count_their_tokens_and_flops(monkeypatch):
