@@ -298,6 +298,7 @@ def test_pytorchs_own_flash_attention_is_found_where_it_has_a_window():
     from torch.nn.attention.varlen import varlen_attn
     assert kernels.varlen_attn is varlen_attn
 
+
 def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):
     """torchrun on GPUs (faked): rank 1's GPU is set, then the NCCL group is made with device_id, which binds the
     rank to that GPU at once (without it NCCL guesses the device at the first collective, with a warning)."""
