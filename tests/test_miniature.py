@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from machinery.progress import validations
 from machinery.tokenfiles import load_meta
 
 pytestmark = pytest.mark.slow
@@ -30,8 +31,7 @@ def commands():
 
 
 def val(run, which=-1):
-    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    return [r for r in rows if "val_mlm" in r][which]
+    return validations(run / "log.jsonl")[which]
 
 
 def row(name):
@@ -66,8 +66,7 @@ def test_the_paper_in_miniature_gives_the_readmes_figures(tmp_path):
                                f"controls {two(*decays)}")
 
     # the prose under the table: the detour's curve, the decays' gaps
-    first, fifty = val(code, 0), next(r for r in map(json.loads, (code / "log.jsonl").read_text().splitlines())
-                                      if r.get("step") == 50 and "val_mlm" in r)
+    first, fifty = val(code, 0), next(r for r in validations(code / "log.jsonl") if r["step"] == 50)
     assert (f"climbs from {first['val_mlm']:.2f} to {fifty['val_mlm']:.2f} in its first 50 steps and to "
             f"{val(code)['val_mlm']:.2f} at the end, while its CLM loss falls from {first['val_clm']:.2f} to "
             f"{val(code)['val_clm']:.2f}") in PROSE
