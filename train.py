@@ -433,7 +433,7 @@ def setup(given):
         progress.start(how, carries, cfg, phase_step, source, state, start, learning_rate)
         progress.architecture(model.config, source, source and flags.unlike_fresh(
             model.config, lambda preset: fresh_config(dataclasses.replace(cfg, preset=preset), meta), PRESETS))
-    kernels.deterministic_compiler(cfg.deterministic)  # before anything compiles: what --resume promises
+    kernels.deterministic_compiler(cfg.deterministic, device)  # before anything compiles: what --resume promises
     if cfg.compile and device.type in COMPILERS:
         kernels.compile_blocks(model, COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host

@@ -2,6 +2,7 @@
 linear cross-entropy: how model.py's attention and loss run fast on a GPU. A reader of the recipe may skip
 this file: model.py's reference_attention and F.cross_entropy compute the same numbers."""
 import functools
+import importlib
 import inspect
 import itertools
 
@@ -14,16 +15,30 @@ try:  # optional: the fastest path on CUDA, and the one ModernBERT was trained w
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
-try:  # PyTorch's own FlashAttention-2 on packed sequences: the flash backend where flash-attn is not installed
-    from torch.nn.attention.varlen import varlen_attn
-    if "window_size" not in inspect.signature(varlen_attn).parameters:
-        varlen_attn = None  # PyTorch 2.10's has no window: the local layers could not run on it
-except ImportError:  # PyTorch < 2.10
-    varlen_attn = None
-try:  # PyTorch >= 2.5; block-sparse masks make the sliding window cheap on GPU
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:
-    create_block_mask = flex_attention = None
+# PyTorch's own optional kernels are imported at their first use, not here: importing either module loads
+# torch._dynamo, 1.3 s of every process's start that a run on SDPA (every CPU run) never needs.
+OPTIONAL = {
+    # PyTorch's own FlashAttention-2 on packed sequences (>= 2.11): the flash backend where flash-attn is not installed
+    "varlen_attn": "torch.nn.attention.varlen",
+    # PyTorch >= 2.5; block-sparse masks make the sliding window cheap on GPU
+    "flex_attention": "torch.nn.attention.flex_attention",
+    "create_block_mask": "torch.nn.attention.flex_attention",
+}
+imported = {}  # name: the kernel, or None where this PyTorch has none; tests put their doubles here
+
+
+def optional(name):
+    """PyTorch's kernel `name` (a key of OPTIONAL), or None where this PyTorch has none."""
+    if name not in imported:
+        try:
+            kernel = getattr(importlib.import_module(OPTIONAL[name]), name)
+        except (ImportError, AttributeError):
+            kernel = None
+        if name == "varlen_attn" and kernel and "window_size" not in inspect.signature(kernel).parameters:
+            kernel = None  # PyTorch 2.10's has no window: the local layers could not run on it
+        imported[name] = kernel
+    return imported[name]
+
 
 IGNORE_INDEX = -100  # label of positions that carry no loss, as in PyTorch and transformers
 
@@ -109,7 +124,7 @@ class Flex(SDPA):
 
     @staticmethod
     def available(device):
-        return flex_attention is not None
+        return optional("flex_attention") is not None
 
     @staticmethod
     def auto(device):  # on a CPU it compiles slowly and runs no faster than SDPA
@@ -125,13 +140,13 @@ class Flex(SDPA):
     def build_mask(rule, T, device, causal, window, local, token_mask=None, doc_ids=None):
         per_row = token_mask if token_mask is not None else doc_ids
         # compiled on CUDA, where eager mask building materialises the whole (B, T, T) mask first
-        return Flex.kernel(create_block_mask, device)(rule(causal, window, local, token_mask, doc_ids),
+        return Flex.kernel(optional("create_block_mask"), device)(rule(causal, window, local, token_mask, doc_ids),
                                                       None if per_row is None else per_row.shape[0], None, T, T,
                                                       device=device)
 
     def attend(self, q, k, v, local):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        attend = Flex.kernel(flex_attention, q.device)
+        attend = Flex.kernel(optional("flex_attention"), q.device)
         return attend(q, k, v, block_mask=self.masks[local], scale=q.shape[-1] ** -0.5).transpose(1, 2)
 
     @staticmethod
@@ -266,12 +281,16 @@ def configure_compiler(n):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
 
 
-def deterministic_compiler(on=True):
+def deterministic_compiler(on=True, device=None):
     """Whether inductor chooses its kernels' settings without timing them (on, train.py's --deterministic) or times
     them (off). By default it times a reduction's block sizes and warps at first launch and keeps the fastest: a
     choice that changes the order of the sums and can differ between two processes, so a resumed run could round
     differently from the uninterrupted one, where --resume promises the same bits. Returns whether the mode is
-    on: False where this PyTorch has no such mode (then compiled kernels are timed, whatever `on` says)."""
+    on: False where this PyTorch has no such mode (then compiled kernels are timed, whatever `on` says), and on a
+    `device` other than CUDA, where nothing compiles with inductor (blocks, fused loss and FlexAttention compile on
+    CUDA only) and its import, 1.5 s, is skipped."""
+    if device is not None and device.type != "cuda":
+        return False
     import torch._inductor.config as inductor
     if hasattr(inductor, "deterministic"):  # older PyTorch releases have no such mode
         inductor.deterministic = on
@@ -352,7 +371,7 @@ class Flash:
 
     @staticmethod
     def available(device):
-        return device.type == "cuda" and (flash_attn_varlen_func is not None or varlen_attn is not None)
+        return device.type == "cuda" and (flash_attn_varlen_func is not None or optional("varlen_attn") is not None)
 
     trains = available
 
@@ -414,7 +433,8 @@ class Flash:
         # window_size: keys i - left ..= i + right, -1 unbounded on that side (both kernels' convention)
         left, cu, longest = self.window if local else -1, self.cu_seqlens, self.max_seqlen
         if flash_attn_varlen_func is None:  # PyTorch's takes causal as a window that ends at the query
-            return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(left, 0 if self.causal else left))
+            window = (left, 0 if self.causal else left)
+            return optional("varlen_attn")(q, k, v, cu, cu, longest, longest, window_size=window)
         # deterministic: --resume promises the uninterrupted run's weights bit for bit, and flash-attn's backward
         # otherwise adds up dQ with atomics whose order changes from run to run (the price: a slightly slower
         # backward, by flash-attn's own account)

@@ -1,13 +1,16 @@
 """Every attention backend equals model.py's reference attention, and the GPU paths run on a CPU: flash-attn through a
 test double of its documented interface, FlexAttention forward (it has no CPU backward in torch 2.13), each against
 the reference and the SDPA backend; and torch.compile of the blocks without recompilation during training."""
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fake_flash_attn
 import model as M
-from conftest import tiny_model
+from conftest import ROOT, tiny_model
 from machinery import kernels
 from machinery.cli import InputError
 
@@ -29,7 +32,7 @@ def use_flash_double(monkeypatch, kernel="flash-attn"):
     uses where flash-attn is not installed)."""
     flash_attn = fake_flash_attn.flash_attn_varlen_func if kernel == "flash-attn" else None
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn)
-    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
+    monkeypatch.setitem(kernels.imported, "varlen_attn", fake_flash_attn.varlen_attn)
     monkeypatch.setattr(kernels.Flash, "available", staticmethod(lambda device: True))
     fake_flash_attn.calls.clear()
     return fake_flash_attn.calls
@@ -435,3 +438,16 @@ def test_compiled_blocks_take_flex_attention_into_their_graphs(monkeypatch):
     torch._dynamo.reset()
     assert made and set(made) == {("create_block_mask", False)}  # each call outside a compiled graph
     assert counter.frame_count == 3  # a graph per block kind (layer 0, global, local), flex_attention inside
+
+
+def test_a_cpu_run_never_imports_the_compiler():
+    """torch._dynamo (which FlexAttention's and varlen's modules, and inductor's config, import) costs 1.5 s of every
+    process's start: a CPU, which compiles nothing, picks its backend, sets the compiler's mode and runs a step
+    without it."""
+    script = ("import sys, torch; from machinery import kernels; import model; "
+              "cpu = torch.device('cpu'); kernels.deterministic_compiler(True, cpu); "
+              "m = model.ModernBERT(model.ModernBERTConfig(**model.PRESETS['tiny'])); "
+              "m(torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long))[1].backward(); "
+              "print(kernels.pick_backend(cpu), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["sdpa", "False"]

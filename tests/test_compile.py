@@ -222,12 +222,16 @@ def test_flash_asks_for_a_deterministic_backward(fake_flash):
 def test_the_trainer_sets_inductors_deterministic_mode_from_its_flag(monkeypatch, demo_corpus, tmp_path, flag):
     """--resume's bit-for-bit promise needs inductor's deterministic mode (by default it times a reduction's
     settings at first launch and keeps the fastest, which changes the order of the sums from one process to the
-    next): train.py turns it on, or off with --deterministic=false, before anything compiles."""
+    next): train.py turns it on, or off with --deterministic=false, before anything compiles, on CUDA; a CPU, where
+    nothing compiles with inductor, leaves the compiler as it is (not even imported)."""
     import torch._inductor.config as inductor
+    asked, mode = [], kernels.deterministic_compiler
+    monkeypatch.setattr(kernels, "deterministic_compiler", lambda on, device: asked.append((on, device)) or mode(on, device))
     with inductor.patch(deterministic=not flag):  # inductor's own save and restore (its settings are no attributes)
         train.main([f"--data={demo_corpus}", f"--out_dir={tmp_path / 'run'}", "--preset=tiny", "--seq_len=64",
                     "--batch_size=2", "--tokens=128", "--eval_sequences=2", f"--deterministic={flag}"])
-        assert inductor.deterministic is flag
+        assert asked == [(flag, torch.device("cpu"))] and inductor.deterministic is not flag
+        assert mode(flag, torch.device("cuda")) is flag and inductor.deterministic is flag
 
 
 def test_resume_promises_bit_for_bit_only_where_every_kernel_repeats(monkeypatch):
@@ -257,7 +261,7 @@ def test_a_run_says_when_its_resume_would_not_be_bit_for_bit(monkeypatch, demo_c
     """The start of a run with PyTorch's FlashAttention (its double, on a CPU) warns, once, that a --resume of it
     continues within rounding; a run whose kernels all repeat says nothing of the kind."""
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
-    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
+    monkeypatch.setitem(kernels.imported, "varlen_attn", fake_flash_attn.varlen_attn)
     for check in ("available", "trains"):
         monkeypatch.setattr(kernels.Flash, check, staticmethod(lambda device: True))
     run = [f"--data={demo_corpus}", "--preset=tiny", "--seq_len=64", "--batch_size=2", "--tokens=128",
@@ -277,14 +281,14 @@ def test_auto_picks_flash_only_where_its_backward_repeats(monkeypatch):
     --backend=flash is refused naming what it needs."""
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
-    monkeypatch.setattr(kernels, "varlen_attn", fake_flash_attn.varlen_attn)
+    monkeypatch.setitem(kernels.imported, "varlen_attn", fake_flash_attn.varlen_attn)
     assert kernels.Flash.library() == "PyTorch's varlen_attn"
     assert kernels.pick_backend(cuda, "flash", training=True, dtype=bf16) == "flash"
     assert kernels.pick_backend(cuda, training=True, dtype=bf16) == "flex"
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", fake_flash_attn.flash_attn_varlen_func)
     assert kernels.Flash.library() == "flash-attn" and kernels.pick_backend(cuda, training=True, dtype=bf16) == "flash"
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
-    monkeypatch.setattr(kernels, "varlen_attn", None)
+    monkeypatch.setitem(kernels.imported, "varlen_attn", None)
     with pytest.raises(InputError, match=r"'flash' is not available on cuda: it needs CUDA, and flash-attn or "
                                          r"PyTorch >= 2.11"):
         kernels.pick_backend(cuda, "flash", training=True, dtype=bf16)
@@ -296,7 +300,7 @@ def test_pytorchs_own_flash_attention_is_found_where_it_has_a_window():
     if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
         pytest.skip(f"PyTorch {torch.__version__} has no varlen_attn with a window")
     from torch.nn.attention.varlen import varlen_attn
-    assert kernels.varlen_attn is varlen_attn
+    assert kernels.optional("varlen_attn") is varlen_attn
 
 
 def test_each_rank_is_bound_to_its_gpu_before_the_process_group_is_made(monkeypatch):

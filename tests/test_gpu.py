@@ -464,7 +464,7 @@ def test_training_repeats_bit_for_bit_where_the_backend_says_so(backend, record_
         assert max(differ.values(), default=0.0) < 1e-3, differ
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or kernels.varlen_attn is None,
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.optional("varlen_attn") is None,
                     reason="PyTorch's varlen_attn (>= 2.11) is not here")
 def test_pytorch_flash_backward_repeats_only_under_deterministic_algorithms(record_property):
     """Flash.nondeterminism's reason, measured: PyTorch's FlashAttention backward repeats its dQ bit for bit under
@@ -476,7 +476,7 @@ def test_pytorch_flash_backward_repeats_only_under_deterministic_algorithms(reco
 
     def dq():
         leaf = q.detach().requires_grad_()
-        return torch.autograd.grad(kernels.varlen_attn(leaf, k, v, cu, cu, 2048, 2048), leaf, grad)[0]
+        return torch.autograd.grad(kernels.optional("varlen_attn")(leaf, k, v, cu, cu, 2048, 2048), leaf, grad)[0]
 
     free = [dq() for _ in range(5)]
     record_property("repeats_without", all(torch.equal(free[0], d) for d in free[1:]))
