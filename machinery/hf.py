@@ -350,6 +350,10 @@ def hub_id_problem(text, namespace=True):
     return "the hub takes no id ending in .git" if text.endswith(".git") else None
 
 
+# What a checkpoint fetched from the hub is: the files model.py and the tokenizer read.
+HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
+
+
 def resolve_checkpoint(path_or_id):
     """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
     if os.path.isdir(path_or_id):
@@ -359,8 +363,22 @@ def resolve_checkpoint(path_or_id):
         raise InputError(f"{path_or_id}: {what}, and not a hub id like 'answerdotai/ModernBERT-base'")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+        return snapshot_download(path_or_id, allow_patterns=HUB_FILES)
     except Exception as e:
         reason = (str(e).splitlines() or [""])[0][:200]
         raise InputError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: "
                          f"{reason}); download it where the network allows and pass the local directory") from e
+
+
+def hub_snapshot(hub_id, cached_only=False):
+    """The folder of a hub id's revision as huggingface_hub keeps it (.../snapshots/COMMIT: the folder's name is the
+    commit, its files that commit's): the newest, fetched (resolve_checkpoint); with cached_only, the one this machine
+    holds already with every file of HUB_FILES, else None (nothing is fetched)."""
+    if not cached_only:
+        return resolve_checkpoint(hub_id)
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(hub_id, allow_patterns=HUB_FILES, local_files_only=True)
+    except Exception:  # not on this machine (or no huggingface_hub): the run fetches it
+        return None
+    return folder if all(os.path.isfile(os.path.join(folder, f)) for f in HUB_FILES) else None
