@@ -642,7 +642,7 @@ def finetune_task(base, tok, task, examples, dev_split, seeds, s, inputs, seed_d
         return result, {split: rows(split, p) for split, p in preds.items()}
 
     runs = {str(seed): cached_seed(seed_dir, task, inputs, seed, lambda: run(seed)) for seed in seeds}
-    top = kind.majority(task["train"])
+    top = kind.majority(examples["train"])  # what the model trained on: without dev's carve-out, within --train_subset
     gold = {split: [ex["label"] for ex in examples[split]] for split in ("dev", "test")}
     baseline = {split: kind.score(gold[split], kind.fill(top, gold[split]), task["scored"])
                 for split in gold}

@@ -38,7 +38,8 @@ own. Ctrl-C or SIGTERM to this driver ends them (SIGTERM, so that a training sav
 60 s); a driver killed outright (SIGKILL) takes them with it.
 
 OUT holds the results of one command. OUT/plan.json keeps each stage's fingerprint: a hash of its command, of the
-content of its inputs (corpus files, the --start checkpoint, task files, held-out texts), of the code (every .py
+content of its inputs (corpus files, the --start checkpoint, task files, held-out texts; a hub id as --start is
+fetched once, first, and every stage reads that snapshot, whose folder is named by its commit), of the code (every .py
 file of the repository) and of the fingerprints of the stages it depends on. A command whose stages differ from
 the ones in OUT (another scale, corpus, start, task file, flag, or edited code) is refused, naming the stages that
 differ or the code: use a new --out. Refused rather than re-run in
@@ -56,7 +57,7 @@ from pathlib import Path
 from machinery import sources
 from machinery.cli import (InputError, Parser, positive_float, positive_int, read_json, run as run_main, usable_cores,
                            write_json, write_text)
-from machinery.hf import hub_id_problem
+from machinery.hf import HUB_FILES, hub_id_problem, hub_snapshot
 from machinery.planfiles import read_components  # a report's variance components, checked field by field
 from machinery.stages import (Stage, check_out, check_unchanged, check_writable, fingerprint, run, shown,
                               stage_record)
@@ -234,7 +235,9 @@ def detour_plan(s, out, a):
         start, start_needs, start_inputs = runs / "start", ["start"], []
     else:  # the corpus in the start model's own vocabulary
         more, _ = data_stages(start_tokenizer(start), [], a.corpus, out)
-        stages, start_needs, start_inputs = more, [], [start] if Path(start).exists() else []
+        # a hub snapshot's folder may gain files that other tools fetch: its inputs are the files the stages read
+        inputs = ([Path(start) / f for f in HUB_FILES] if a.hub else [start]) if Path(start).exists() else []
+        stages, start_needs, start_inputs = more, [], inputs
     arm = [*training(s, a.nproc), f"--init_from={start}", "--weights_only", f"--data={out / 'data' / 'corpus'}",
            f"--tokens={s['arm_tokens']}"]
     # mlm-control: the seed control of CKA, MLM again with replicate r's data order and another training seed
@@ -885,6 +888,7 @@ def main(argv=None):
     if a.start and Path(a.start).exists():  # stages run from the repository root
         a.start = str(Path(a.start).resolve())
     a.replicates = a.replicates or s["replicates"]
+    a.hub = pin_start(a, s)
     if a.dry_run:
         return dry_run(a, s, out, plan_of, missing)
     stages = plan_of(s, out, a)
@@ -902,6 +906,18 @@ def main(argv=None):
     check_unchanged(plan)
     report(out, a.study, a.scale, s, stages, plan, a.replicates)
     print(f"all stages finished; this invocation took {time.time() - t0:.0f} s")
+
+
+def pin_start(a, s):
+    """A hub id as the start model (--start, or the scale's) pinned to its revision of now: a.start becomes its
+    snapshot folder, named by the commit, which every stage reads. Without it each stage would fetch whatever the id
+    held when it started, and the plan's fingerprints, holding the id alone, would reuse finished stages after the
+    model changed under it. Fetched here; a dry run takes the revision this machine holds, if any. Returns the id."""
+    start = a.start or s.get("start")
+    if a.study != "detour" or start is None or Path(start).exists():
+        return None
+    a.start = hub_snapshot(start, cached_only=a.dry_run) or a.start
+    return start
 
 
 def dry_run(a, s, out, plan_of, missing):
@@ -937,7 +953,8 @@ def dry_run(a, s, out, plan_of, missing):
         print(f"{'the trainings' if a.scale == 'paper' else 'the stages'}: ~{amount(sum(hours.values()))} {unit} in "
               f"all ({how})")
     if a.start and not Path(a.start).exists():
-        print(f"--start={a.start}: taken as a hub id; it is fetched when the first stage that needs it runs")
+        print(f"--start={a.start}: taken as a hub id; the run fetches its revision of then first, which every stage "
+              f"reads")
     if missing:
         print(f"missing: {', '.join(missing)}; {sources.how_to_get(a.data)}. The run needs them; this plan is "
               f"shown without them")

@@ -239,24 +239,24 @@ def token_sum(loss, labels):
 
 @torch.no_grad()
 def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
-                      dtype="bfloat16", doc_sep_id=None):
-    """MLM loss at 15% masking and CLM loss on the first n_sequences windows of val.bin, whatever
-    the phase trains, so that phases and runs compare on the same numbers: each the mean over
-    every labelled token of those windows, whatever the batch size."""
+                      dtype="bfloat16", doc_sep_id=None, rank=0, world=1):
+    """MLM loss at 15% masking and CLM loss on the first n_sequences windows of val.bin, whatever the phase trains, so
+    that phases and runs compare on the same numbers: each the mean over every labelled token of those windows, for any
+    batch size and number of processes: a collective, in which each of `world` ranks scores every world-th batch."""
     was_training = model.training
-    model.eval()
-    losses = {}
-    for objective, rate in (("mlm", 0.15), ("clm", 0.0)):
-        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-        for x, y in data.val_batches(data_dir, seq_len, n_sequences, batch_size, objective, rate):
+    model.eval()  # never a DDP wrapper: its forward may broadcast buffers, which a rank with fewer batches misses
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # per objective: summed loss, labelled tokens
+    for i, (objective, rate) in enumerate((("mlm", 0.15), ("clm", 0.0))):
+        for x, y in data.val_batches(data_dir, seq_len, n_sequences, batch_size, objective, rate,
+                                     rank=rank, world_size=world):
             docs = None if doc_sep_id is None else data.document_ids(x, doc_sep_id).to(device)
             with cli.autocast(device, dtype):
                 _, loss = model(x.to(device), labels=y, causal=data.OBJECTIVES[objective].causal, doc_ids=docs)
             summed, n = token_sum(loss, y)
-            total, count = total + summed, count + n
-        losses[f"val_{objective}"] = total.item() / max(count, 1)
+            sums[i, 0], sums[i, 1] = sums[i, 0] + summed, sums[i, 1] + n
     model.train(was_training)
-    return losses
+    (mlm, n_mlm), (clm, n_clm) = cli.all_reduce(sums, world).tolist()  # every rank's, one with no batch too
+    return {"val_mlm": mlm / max(n_mlm, 1), "val_clm": clm / max(n_clm, 1)}
 
 
 # -----------------------------------------------------------------------------
@@ -465,8 +465,8 @@ def train(r):
     flops = model.flops_per_token(cfg.seq_len, objective.causal, predicted)
     peak = peak_flops(r.device)
     first_step, t_start, anyone_stopping = r.phase_step, time.time(), False
-    if r.rank == 0 and r.phase_step == 0 and STARTS[r.how].weights:  # a continued run's curve starts at its start
-        progress.start_line(validate(r, dict(phase=cfg.phase, step=0, tokens=0)))
+    if r.phase_step == 0 and STARTS[r.how].weights:  # a continued run's curve starts at its start
+        progress.start_line(r, validate(r, dict(phase=cfg.phase, step=0, tokens=0)))  # every rank validates
     with GracefulStop() as signals:
         while r.phase_step < stop_at and not anyone_stopping:
             t0 = time.time()
@@ -510,7 +510,7 @@ def log_and_save(r, record, total_steps, stop_at, stopping, eta, first):
     if r.run_dir:  # before the save, so that the log and the checkpoint agree
         r.run_dir.append_log(record)
         r.tracker.log(record)
-    if r.rank == 0 and (step % cfg.eval_interval == 0 or step == total_steps):
+    if step % cfg.eval_interval == 0 or step == total_steps:  # every rank: each scores its share
         record.update(validate(r, {k: record[k] for k in ("phase", "step", "tokens")}))
     if step == stop_at or stopping or (cfg.save_interval and step % cfg.save_interval == 0):
         save(r)
@@ -522,11 +522,11 @@ def validate(r, record):
     """The validation losses, added to `record` (phase, step, tokens), logged and tracked (rank 0)."""
     cfg = r.cfg
     sep_id = r.meta["sep_id"] if cfg.separate_documents else None
-    micro_batch = cfg.batch_size // r.accum // r.world  # sequences per forward, as in training
-    record = {**record, **validation_losses(r.model, cfg.data, cfg.seq_len, cfg.eval_sequences, micro_batch,
-                                            r.device, cfg.dtype, sep_id)}
-    r.run_dir.append_log(record)  # in the checkpoint's log too
-    r.tracker.log(record)
+    record = {**record, **validation_losses(r.model, cfg.data, cfg.seq_len, cfg.eval_sequences,
+                                            r.loader.micro_batch_size, r.device, cfg.dtype, sep_id, r.rank, r.world)}
+    if r.run_dir:  # rank 0: in the checkpoint's log too
+        r.run_dir.append_log(record)
+        r.tracker.log(record)
     return record
 
 

@@ -228,6 +228,14 @@ def all_gather(obj, world):
     return out
 
 
+def all_reduce(tensor, world):
+    """`tensor` summed over every rank, in place. A collective: every rank must call it at the same point."""
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def launcher(script):
     """The words that start `script` again as this process was started: `python SCRIPT`, or torchrun with the
     same processes per machine (from torchrun's variables). `script` is shown relative to the current folder

@@ -46,7 +46,7 @@ def check_config(c, activations):
     for name in ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
         require(isinstance(getattr(c, name), int) and getattr(c, name) >= 0, name, "a non-negative id")
     # only the padding id indexes the embedding; transformers' config.json files carry no mask_token_id (read from
-    # the tokenizer.json beside them, else ModernBERT's)
+    # the tokenizer files beside them, else ModernBERT's in ModernBERT's vocabulary: config_fields)
     require(c.pad_token_id < c.vocab_size, "pad_token_id", f"an id below vocab_size={c.vocab_size}")
     for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
                  "initializer_cutoff_factor"):
@@ -85,7 +85,7 @@ def replace_config(c, **overrides):
 def read_config(config_file, config_class):
     """A checkpoint's config.json as a config_class (model.py's ModernBERTConfig); InputError naming the file
     and the field if it is not one we can run."""
-    names = [f.name for f in dataclasses.fields(config_class)]
+    names = {f.name: f.default for f in dataclasses.fields(config_class)}
     fields = config_fields(read_json(config_file, "a ModernBERT config.json"), config_file, names)
     try:
         return config_class(**fields)
@@ -94,7 +94,8 @@ def read_config(config_file, config_class):
 
 
 def config_fields(d, source, names):
-    """The values of `names` in a parsed config.json, from either key spelling (transformers 4.x or 5.x)."""
+    """The values of `names` (the config class's fields and their defaults) in a parsed config.json, from either key
+    spelling (transformers 4.x or 5.x)."""
     if not isinstance(d, dict):
         raise InputError(f"{source}: expected a JSON object, got {type(d).__name__}")
     if d.get("model_type") != "modernbert":
@@ -107,9 +108,15 @@ def config_fields(d, source, names):
             raise InputError(f"{source}: {name} is null: expected the id (this model frames and pads with it)")
     fields = {name: d[name] for name in names if d.get(name) is not None}
     if "mask_token_id" in names and d.get("mask_token_id") is None:  # transformers writes none: the id is that of
-        mask = tokenizer_mask_id(os.path.join(os.path.dirname(source), "tokenizer.json"))  # the tokenizer beside
-        if mask is not None:  # (ModernBERT's default would call the data of any other tokenizer not the model's)
+        mask = saved_mask_id(os.path.dirname(source))  # the tokenizer beside (ModernBERT's default would call the data
+        if mask is not None:  # of any other tokenizer not the model's)
             fields["mask_token_id"] = mask
+        elif any(d.get(k, names[k]) != names[k] for k in ("vocab_size", "cls_token_id", "sep_token_id",
+                                                          "pad_token_id")):
+            raise InputError(f"{source}: names no mask_token_id, and no tokenizer.json or tokenizer_config.json beside "
+                             f"it gives the id of its mask token; add \"mask_token_id\": ID (the id of [MASK] in the "
+                             f"tokenizer the model was trained with) to it")
+        # else the vocabulary is ModernBERT's (its size, [CLS], [SEP] and [PAD]): its [MASK], the class's default
     types = d.get("layer_types")
     if "global_attn_every_n_layers" not in d and isinstance(types, list) and types:  # transformers 5.x may list the
         fields["global_attn_every_n_layers"] = next(  # layers alone: written back, their period is what 4.x reads
@@ -143,6 +150,26 @@ def tokenizer_mask_id(path):
     ids |= {a.get("content"): a.get("id") for a in added if isinstance(a, dict)} if isinstance(added, list) else {}
     mask = ids.get("[MASK]")
     return mask if isinstance(mask, int) and not isinstance(mask, bool) else None
+
+
+def saved_mask_id(folder):
+    """The mask token's id in the tokenizer files of a checkpoint folder: [MASK] in its tokenizer.json, else the token
+    its tokenizer_config.json (or special_tokens_map.json) names as mask_token, found in tokenizer_config.json's
+    added_tokens_decoder (as transformers 4.x writes it); None where none of them gives it."""
+    mask = tokenizer_mask_id(os.path.join(folder, "tokenizer.json"))
+    if mask is not None:
+        return mask
+    def read(name):
+        path = os.path.join(folder, name)
+        content = read_json(path, f"a tokenizer's {name}") if os.path.isfile(path) else {}
+        return content if isinstance(content, dict) else {}
+    settings = read("tokenizer_config.json")
+    name = settings.get("mask_token") or read("special_tokens_map.json").get("mask_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    added = settings.get("added_tokens_decoder")
+    ids = [int(i) for i, t in added.items() if isinstance(t, dict) and t.get("content") == name and i.isdigit()] \
+        if isinstance(added, dict) and isinstance(name, str) else []
+    return ids[0] if len(ids) == 1 else None
 
 
 def config_to_hf(c):
@@ -323,6 +350,10 @@ def hub_id_problem(text, namespace=True):
     return "the hub takes no id ending in .git" if text.endswith(".git") else None
 
 
+# What a checkpoint fetched from the hub is: the files model.py and the tokenizer read.
+HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
+
+
 def resolve_checkpoint(path_or_id):
     """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
     if os.path.isdir(path_or_id):
@@ -332,8 +363,22 @@ def resolve_checkpoint(path_or_id):
         raise InputError(f"{path_or_id}: {what}, and not a hub id like 'answerdotai/ModernBERT-base'")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(path_or_id, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+        return snapshot_download(path_or_id, allow_patterns=HUB_FILES)
     except Exception as e:
         reason = (str(e).splitlines() or [""])[0][:200]
         raise InputError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: "
                          f"{reason}); download it where the network allows and pass the local directory") from e
+
+
+def hub_snapshot(hub_id, cached_only=False):
+    """The folder of a hub id's revision as huggingface_hub keeps it (.../snapshots/COMMIT: the folder's name is the
+    commit, its files that commit's): the newest, fetched (resolve_checkpoint); with cached_only, the one this machine
+    holds already with every file of HUB_FILES, else None (nothing is fetched)."""
+    if not cached_only:
+        return resolve_checkpoint(hub_id)
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(hub_id, allow_patterns=HUB_FILES, local_files_only=True)
+    except Exception:  # not on this machine (or no huggingface_hub): the run fetches it
+        return None
+    return folder if all(os.path.isfile(os.path.join(folder, f)) for f in HUB_FILES) else None

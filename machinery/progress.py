@@ -223,10 +223,11 @@ def step_line(cfg, record, total_steps, eta):
           f"eta {duration(eta)}")
 
 
-def start_line(record):
-    """The validation losses before the first step of a continued run: where its curve starts."""
-    print(f"{record['phase']} step 0 (before the first step) | val mlm {record['val_mlm']:.4f} clm "
-          f"{record['val_clm']:.4f}")
+def start_line(r, record):
+    """The validation losses before the first step of a continued run: where its curve starts (rank 0 prints)."""
+    if r.rank == 0:
+        print(f"{record['phase']} step 0 (before the first step) | val mlm {record['val_mlm']:.4f} clm "
+              f"{record['val_clm']:.4f}")
 
 
 def duration(seconds):

@@ -141,9 +141,10 @@ class Tokenizer:
             require(not t.get("single_word"), f"added token {t['content']!r} single_word", "false")
         vocab = model["vocab"]
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]  # both file formats
+        # the split pattern too: it decides the pieces merges apply to, and an edit to it tokenizes text anew
         self.fingerprint = hashlib.sha256(json.dumps(  # sorted items: sort_keys on the big vocab dict is slow
-            {"vocab": sorted(vocab.items()), "merges": merges, "added_tokens": added, "normalizer": norm},
-            sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+            {"vocab": sorted(vocab.items()), "merges": merges, "added_tokens": added, "normalizer": norm,
+             "pattern": GPT2_PATTERN}, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         # added tokens are given to tiktoken only so that decode() knows them; encode splits them out itself
         self.enc = tiktoken.Encoding(spec, pat_str=GPT2_PATTERN, mergeable_ranks=self._ranks(vocab, merges, added),
                                      special_tokens={t["content"]: t["id"] for t in added})

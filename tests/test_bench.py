@@ -459,6 +459,41 @@ def test_transformers_gets_the_causal_masks_our_model_computes():
         assert masks[kind].shape == (1, 1, T, T) and torch.equal(masks[kind][0, 0], want), kind
 
 
+def test_the_loss_rows_time_the_loss_they_name(monkeypatch, capsys):
+    """bench.py loss: the row labelled plain timed model.py's cross_entropy and the row labelled fused the chunked
+    kernel, each alone, and both computed torch's cross-entropy of the decoder's logits on the same head outputs
+    (run in this process at a tiny size: the CPU path's fresh process per pass is replaced by a direct call)."""
+    import model
+    from machinery import kernels
+    ran = []
+
+    def spy(name, real):
+        def call(h, weight, bias, targets):
+            value = real(h, weight, bias, targets)
+            oracle = torch.nn.functional.cross_entropy(h.detach() @ weight.detach().T + bias.detach(), targets)
+            ran.append((name, h.shape[0], value.item(), oracle.item()))
+            return value
+        return call
+    monkeypatch.setattr(model, "cross_entropy", spy("plain", model.cross_entropy))
+    monkeypatch.setattr(kernels, "linear_cross_entropy", spy("fused", kernels.linear_cross_entropy))
+    passes = []
+
+    def loss_pass(loss, *work):  # the CUDA branch's direct call, run on the CPU
+        ran.clear()
+        result = real_pass(loss, *work[:3], torch.device("cpu"), *work[4:])
+        passes.append((loss, {name for name, *_ in ran}))
+        full = [(v, o) for _, rows, v, o in ran if rows == 40]  # the timed passes (an 8-row one warms up)
+        assert full and all(v == pytest.approx(o, rel=1e-5) for v, o in full), ran
+        return result
+    real_pass = bench.loss_pass
+    monkeypatch.setattr(bench, "loss_pass", loss_pass)
+    args = argparse.Namespace(rows=[40], hidden=16, vocab=96, device=argparse.Namespace(type="cuda"), repeats=1,
+                              threads=1)
+    rows = bench.loss_bench(args)
+    assert passes == [("plain", {"plain"}), ("fused", {"fused"})]
+    assert [r["loss"] for r in rows] == ["plain", "fused"] and all(r["rows"] == 40 for r in rows)
+
+
 def test_each_tests_result_is_recorded_as_it_ends(tmp_path, monkeypatch):
     """gpureport.record on pytest's reports (made up here): a test's call gives its outcome, a failure in a fixture
     is an error, a skip at setup is a skip; the note is the skip's reason, the failure's first 'E' line, or the

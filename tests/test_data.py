@@ -150,6 +150,17 @@ def test_fingerprint(trained, tmp_path, edit):
     assert other.fingerprint != ours.fingerprint
 
 
+def test_fingerprint_holds_the_split_pattern(trained, monkeypatch):
+    """The pre-tokenizer's pattern decides the pieces merges apply to: an edit to it alone (the same tokenizer.json)
+    gives other ids, so it gives another fingerprint, and data prepared before the edit is not read as if it fit."""
+    path, _ = trained
+    ours = data.load_tokenizer(path)
+    monkeypatch.setattr(tok, "GPT2_PATTERN", r"\S+|\s+")  # whitespace-delimited pieces, no leading space
+    other = data.load_tokenizer(path)
+    assert other.encode("ka lo mi") != ours.encode("ka lo mi")  # another tokenization indeed
+    assert other.fingerprint != ours.fingerprint
+
+
 def test_byte_tokenizer_json_is_loaded_by_hf_tokenizers(tmp_path):
     from tokenizers import Tokenizer
     ours = data.load_tokenizer("bytes")

@@ -681,6 +681,30 @@ def test_a_small_dev_set_takes_examples_from_train(byte_models, tmp_path, capsys
     assert not (tmp_path / "x.seeds").exists()
 
 
+def test_the_majority_baseline_counts_the_train_split_the_model_trained_on(byte_models, tmp_path):
+    """Where --dev_min moves train examples to dev, the majority label is counted on what is left of train (what the
+    model was fine-tuned on), not on the task's whole train file: here the two disagree."""
+    from sklearn.metrics import accuracy_score
+    root = tmp_path / "pets"
+    root.mkdir()
+    write = lambda split, labels: (root / f"{split}.jsonl").write_text(  # noqa: E731
+        "".join(json.dumps({"text": f"a {label} here", "label": label}) + "\n" for label in labels))
+    write("dev", ["cat", "dog"])
+    write("test", ["cat", "dog", "dog", "owl"])
+    write("train", ["cat"] * 11 + ["dog"])
+    moved = {ex["index"] for ex in ev.carve_dev(read_task(root), 9)[1] if "from" in ex}  # 7 of the 12, a fixed draw
+    stay = sorted(set(range(12)) - moved)
+    labels = ["cat" if i in moved or i in stay[:2] else "dog" for i in range(12)]  # 9 cat, 3 dog; kept: 3 dog, 2 cat
+    write("train", labels)
+    train, _, _ = ev.carve_dev(read_task(root), 9)
+    kept = [ex["label"] for ex in train]
+    assert (labels.count("cat"), kept.count("dog"), kept.count("cat")) == (9, 3, 2)
+    r = ev.finetune(byte_models[0], [root], seeds=(1,), out=tmp_path / "p.json", steps=1, max_len=16, dev_min=9,
+                    device="cpu")["tasks"]["pets"]
+    assert r["majority"] == "dog"  # was "cat": the whole train file's
+    assert r["baseline"]["test"]["accuracy"] == accuracy_score(["cat", "dog", "dog", "owl"], ["dog"] * 4) == 0.5
+
+
 @pytest.mark.slow
 def test_finetune_ner_longer_run(modernbert_model, tmp_path):
     task = need(TASKS / "ncbi_disease" / "train.tsv").parent

@@ -22,7 +22,7 @@ SHAPES = [
     dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
          global_attn_every_n_layers=3, local_attention=128),  # ModernBERT's own window, +-64
 ]
-SPECIAL = dict(pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+SPECIAL = dict(pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, mask_token_id=4)
 
 
 def hf_checkpoint(tmp_path, shape, vocab=300, seed=0):
@@ -238,7 +238,8 @@ def test_a_transformers_checkpoint_takes_its_mask_id_from_the_tokenizer_beside_i
                                        **SHAPES[0])
     transformers.ModernBertForMaskedLM(hf).save_pretrained(tmp_path)
     assert "mask_token_id" not in json.loads((tmp_path / "config.json").read_text())
-    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 50284  # no tokenizer.json: the default
+    with pytest.raises(InputError, match="names no mask_token_id"):  # was ModernBERT's 50284, outside this vocabulary
+        ModernBERTConfig.read(tmp_path / "config.json")
     tok.save_pretrained(tmp_path)
     info = models.inspect_model(str(tmp_path), ModernBERT)
     assert info["config"].mask_token_id == tok.mask_id == 259
@@ -248,6 +249,34 @@ def test_a_transformers_checkpoint_takes_its_mask_id_from_the_tokenizer_beside_i
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "mask_token_id": 7}))
     assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == 7
+
+
+def test_a_checkpoint_without_tokenizer_json_takes_its_mask_id_from_its_tokenizer_config(tmp_path):
+    """A transformers checkpoint stripped of tokenizer.json: the mask id is the one tokenizer_config.json's
+    added_tokens_decoder gives the token its mask_token (or special_tokens_map.json's) names, as transformers 4.x
+    writes them; where nothing gives it, one line says so, but for ModernBERT's own vocabulary, whose [MASK] is 50284."""
+    from machinery.tokenizer import load_tokenizer
+    tok = load_tokenizer("bytes")
+    ids = dict(pad_token_id=tok.pad_id, cls_token_id=tok.cls_id, sep_token_id=tok.sep_id)
+    transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(vocab_size=320, **ids, **SHAPES[0])) \
+        .save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(tmp_path).save_pretrained(tmp_path)  # its own tokenizer_config.json
+    (tmp_path / "tokenizer.json").unlink()
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["mask_token"] == "[MASK]"
+    with pytest.raises(InputError, match=r"config\.json: names no mask_token_id, and no tokenizer\.json or "
+                                         r"tokenizer_config\.json beside it gives the id of its mask token"):
+        ModernBERTConfig.read(tmp_path / "config.json")  # 5.x writes the token, not its id: was 50284
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    decoder = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tok.config["added_tokens"]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings, "added_tokens_decoder": decoder}))
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == tok.mask_id == 259
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"mask_token": {"content": "[SEP]"}}))
+    del settings["mask_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings, "added_tokens_decoder": decoder}))
+    assert ModernBERTConfig.read(tmp_path / "config.json").mask_token_id == tok.sep_id  # the token it names
+    transformers.ModernBertConfig().save_pretrained(tmp_path / "modernbert")  # ModernBERT's vocabulary, nothing else
+    assert ModernBERTConfig.read(tmp_path / "modernbert" / "config.json").mask_token_id == 50284
 
 
 def edited_config(tmp_path, **changes):

@@ -462,6 +462,46 @@ def read_only(tmp):
     return tmp / "ro"
 
 
+def test_a_hub_start_is_pinned_to_the_commit_fetched(tmp_path, capsys, monkeypatch):
+    """--start as a hub id: the run fetches it once (huggingface_hub's snapshot folder, named by the commit) and every
+    stage reads that folder, so that the plan holds the commit: after the model changed under the same id, the same
+    command on the experiment is another plan, refused, where the id alone had reused its finished stages. A dry run
+    fetches nothing: it takes the revision this machine holds. (The hub is a double here: no network in tests.)"""
+    import huggingface_hub
+    import reproduce
+    from conftest import tiny_model
+    from machinery.hf import HUB_FILES
+    from machinery.tokenizer import load_tokenizer
+    need(CORPUS)
+    commit, asked = ["a" * 40], []
+
+    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False, **_):
+        folder = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit[0]
+        asked.append(local_files_only)
+        if not folder.exists():
+            tiny_model().save_pretrained(folder)
+            load_tokenizer("bytes").save_pretrained(folder)
+        return str(folder)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(reproduce, "run", lambda *args: None)  # the stages are not what is tested
+    monkeypatch.setattr(reproduce, "report", lambda *args: None)
+    args = ["--scale=smoke", f"--out={tmp_path / 'exp'}", "--start=org/model", "--replicates=1"]
+    status, _, err = in_process(capsys, *args)
+    assert status == 0 and asked == [False], err
+    plan = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    pinned = tmp_path / "hub" / "models--org--model" / "snapshots" / commit[0]
+    assert f"--tokenizer {pinned / 'tokenizer.json'}" in plan["stages"]["data-corpus"]["command"]
+    assert f"--init_from={pinned}" in plan["stages"]["clm-r1"]["command"]
+    assert set(plan["stages"]["clm-r1"]["inputs"]) == {str(pinned / f) for f in HUB_FILES}
+    status, text, _ = in_process(capsys, *args, "--dry_run")  # the revision on this machine, nothing fetched
+    assert status == 0 and asked[-1] is True and f"--init_from={pinned} " in text
+    commit[0] = "b" * 40  # the model changed on the hub under the same id
+    status, _, err = in_process(capsys, *args)
+    assert status == 2 and "holds the results of another command" in err and "clm-r1 (its command)" in err, err
+    commit[0] = "a" * 40
+    assert in_process(capsys, *args)[0] == 0
+
+
 def test_the_gpu_hours_say_when_they_guess_the_models_size(tmp_path, capsys):
     """The paper's estimate counts the start model's FLOPs: a hub id's config.json is not here (no network), so it
     takes the recipe's architecture (base), and says so for any start but the scale's own, ModernBERT-base."""

@@ -1,6 +1,8 @@
 """train.py and freeze.py: the optimizer against torch.optim.AdamW, the schedules, the phase hand-off,
 exact resume, DDP equivalence and freezing that really freezes."""
 import argparse
+import concurrent.futures
+import copy
 import dataclasses
 import json
 import math
@@ -11,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -257,6 +260,58 @@ def test_validation_losses_are_token_means_whatever_the_batch_size(corpus):
         # the test can fail: the batches of 7 hold different numbers of labelled tokens
         means = [per_token[i:i + 7].sum() / labelled[i:i + 7].sum() for i in range(0, n, 7)]
         assert abs(torch.stack(means).mean().item() - expected) > 1e-4 * expected, objective
+
+
+def test_validation_under_ddp_scores_each_window_once_and_reports_one_process_losses(corpus, monkeypatch):
+    """Under torchrun every rank validates its share, every world-th micro-batch, and the all-reduced sums give the
+    one-process losses. 4 ranks, as threads through train.validate, over 5 windows in micro-batches of 2 (batches
+    of 2, 2 and 1): the fourth scores nothing yet joins the all-reduce, which sums the ranks' tensors at a barrier
+    (a rank that skipped it would break the barrier, not hang the test); rank 0 alone logs."""
+    meta = data.load_meta(corpus)
+    model = tiny_model(vocab_size=meta["vocab_size"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
+                       pad_token_id=meta["pad_id"], mask_token_id=meta["mask_id"]).eval()
+    T, n, micro, world = 64, 5, 2, 4
+    one = train.validation_losses(model, corpus, T, n, micro, torch.device("cpu"))
+    full = {objective: next(data.val_batches(corpus, T, n, n, objective, rate))[0]
+            for objective, rate in (("mlm", 0.15), ("clm", 0.0))}  # every window, in one batch
+    assert all(len({tuple(row) for row in x.tolist()}) == n for x in full.values())  # a row names its window
+    val_batches, scored, me = data.val_batches, {}, threading.local()
+
+    def recording(*args, **kwargs):  # which windows each rank scores
+        for x, y in val_batches(*args, **kwargs):
+            windows = [next(j for j, row in enumerate(full[args[4]]) if torch.equal(row, r)) for r in x]
+            scored.setdefault(args[4], {}).setdefault(me.rank, []).extend(windows)
+            yield x, y
+    barrier, given = threading.Barrier(world, timeout=60), [None] * world
+
+    def all_reduce(tensor):  # gloo's sum over the ranks
+        given[me.rank] = tensor.clone()
+        barrier.wait()
+        tensor.copy_(sum(given))
+        barrier.wait()
+    monkeypatch.setattr(data, "val_batches", recording)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    logged, tracked = [], []
+
+    def rank(k):  # what train.setup builds: a run directory and trackers on rank 0 only
+        me.rank = k
+        cfg = argparse.Namespace(data=corpus, seq_len=T, eval_sequences=n, batch_size=micro * world, dtype="bfloat16",
+                                 separate_documents=False)
+        r = argparse.Namespace(cfg=cfg, meta=meta, model=copy.deepcopy(model), device=torch.device("cpu"), rank=k,
+                               world=world, accum=1, loader=argparse.Namespace(micro_batch_size=micro),
+                               run_dir=argparse.Namespace(append_log=logged.append) if k == 0 else None,
+                               tracker=argparse.Namespace(log=tracked.append if k == 0 else None))
+        return train.validate(r, dict(phase="mlm", step=1, tokens=0))
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        futures = [pool.submit(rank, k) for k in range(world)]
+    for objective in full:  # each window scored once, by the rank that holds its batch
+        assert scored[objective] == {0: [0, 1], 1: [2, 3], 2: [4]}, objective
+    records = [future.result() for future in futures]
+    for record in records:
+        assert (record["phase"], record["step"], record["tokens"]) == ("mlm", 1, 0)
+        for key in ("val_mlm", "val_clm"):  # the sums in another order: equal to float64 rounding
+            assert record[key] == pytest.approx(one[key], rel=1e-12), key
+    assert logged == tracked == records[:1]
 
 
 def test_a_batch_without_labels_adds_nothing_and_trains_nothing():
