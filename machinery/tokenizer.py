@@ -27,6 +27,7 @@ from machinery.hf import hub_id_problem
 
 # Hugging Face's ByteLevel pre-tokenizer splits with the GPT-2 pattern.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_DIGEST = "eeb55ba74cc544ae"  # of the line above as GPT-2 (and ModernBERT) have it: see the fingerprint
 # Rust's char::is_whitespace (Unicode White_Space), which lstrip/rstrip use; unlike str.isspace it excludes \x1c-\x1f.
 WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
                        "\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
@@ -141,10 +142,12 @@ class Tokenizer:
             require(not t.get("single_word"), f"added token {t['content']!r} single_word", "false")
         vocab = model["vocab"]
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]  # both file formats
-        # the split pattern too: it decides the pieces merges apply to, and an edit to it tokenizes text anew
+        # The split pattern too: it decides the pieces merges apply to, and an edit to it tokenizes text anew. GPT-2's
+        # is left out, so that corpora prepared before the pattern was counted still pass with the one they were made with.
+        edited = {} if hashlib.sha256(GPT2_PATTERN.encode()).hexdigest()[:16] == GPT2_DIGEST else {"pattern": GPT2_PATTERN}
         self.fingerprint = hashlib.sha256(json.dumps(  # sorted items: sort_keys on the big vocab dict is slow
-            {"vocab": sorted(vocab.items()), "merges": merges, "added_tokens": added, "normalizer": norm,
-             "pattern": GPT2_PATTERN}, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+            {"vocab": sorted(vocab.items()), "merges": merges, "added_tokens": added, "normalizer": norm} | edited,
+            sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         # added tokens are given to tiktoken only so that decode() knows them; encode splits them out itself
         self.enc = tiktoken.Encoding(spec, pat_str=GPT2_PATTERN, mergeable_ranks=self._ranks(vocab, merges, added),
                                      special_tokens={t["content"]: t["id"] for t in added})
