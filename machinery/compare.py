@@ -168,6 +168,7 @@ def power(d, v_runs, v_examples, k):
     return float(np.sum(found[1:] + found[:-1]) / 2 * (s[1] - s[0]))
 
 
+@functools.lru_cache(maxsize=None)  # a plan asks the same (about 2 in 5 of a dry run's questions are repeats)
 def detectable(v_runs, v_examples, k):
     """The smallest true difference `interval` finds with 80% power (POWER): power's root, by bisection. 0 when
     nothing varies."""
