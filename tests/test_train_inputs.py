@@ -171,7 +171,7 @@ if not torch.cuda.is_available():
 def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_path, capsys):
     out = tmp_path / "out"
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
-    assert not (out / "model.safetensors").exists()
+    assert not out.exists()  # refused after the run directory was made, or before: no husk that reads as a run
 
 
 def test_hub_ids_are_those_the_hub_takes():
@@ -549,6 +549,36 @@ def test_second_writer_is_refused(demo_corpus, tmp_path, capsys):
         fails(capsys, [f"--out_dir={out}", "--resume"], "another train.py", ".lock")
     train.main([f"--out_dir={out}", "--resume"])  # released: runs, and leaves no lock file behind
     assert not (out / ".lock").exists()
+
+
+def files_of(folder):
+    """{path under folder: its bytes} for every file, .lock included."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# Refused after the run directory is made or locked: by the model's blocks, and by what a checkpoint can hold.
+LATE_REFUSALS = [(["--freeze=0-99"], "--freeze='0-99'"), (["--tokens=5e18", "--max_steps=1"], "nothing was trained")]
+
+
+@pytest.mark.parametrize("flags, words", LATE_REFUSALS, ids=[f[0] for f, _ in LATE_REFUSALS])
+def test_a_refused_start_leaves_its_out_dir_as_it_was(flags, words, run_dir, demo_corpus, tmp_path, capsys):
+    """A start refused once its run directory is made takes back what it made (run.json, .lock, the folder) and
+    nothing more: an empty folder the user made stays, and a run of ours killed before its first checkpoint keeps
+    its log and its .lock byte for byte (a start that runs empties that log at its first record). A refused
+    --resume leaves its run byte for byte, the log's records past the checkpoint (a kill between saves) included,
+    with no .lock added."""
+    made, empty, husk, resumed = tmp_path / "made", tmp_path / "empty", tmp_path / "husk", copy_run(run_dir, tmp_path)
+    empty.mkdir()
+    RunDir.create(str(husk)).append_log({"step": 1, "loss": 7.0})
+    (husk / ".lock").write_text("")  # a kill leaves the file, never the lock
+    with open(resumed / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.0}\n')
+    before = {out: files_of(out) for out in (empty, husk, resumed)}
+    for out in (made, empty, husk):
+        fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], words)
+    fails(capsys, [f"--out_dir={resumed}", "--resume", *flags], flags[0].split("=")[0])
+    assert not made.exists()
+    assert {out: files_of(out) for out in (empty, husk, resumed)} == before and os.listdir(empty) == []
 
 
 def test_a_checkpoint_older_than_some_settings_resumes_with_their_defaults(run_dir, tmp_path, capsys):
