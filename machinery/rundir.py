@@ -8,7 +8,8 @@ A run directory OUT, as train.py writes it:
     OUT/config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json
                                     copies of the latest checkpoint's Hugging Face files: OUT loads with
                                     from_pretrained; train.py never reads them, and the next save replaces them
-    OUT/log.jsonl                   one JSON record per line (train.py writes it)
+    OUT/log.jsonl                   one JSON record per line (train.py writes it), on the disk before each
+                                    checkpoint: a crash loses only the steps after it, which a resume runs again
     OUT/README.md                   the model card, rewritten at each save while it is ours: it ends with our
                                     mark, the sha256 of the text above it; a card the user wrote or edited is theirs
     OUT/checkpoints/step-00000050/  .checkpoint (the run_id), the Hugging Face files, optimizer.safetensors,
@@ -259,6 +260,8 @@ class RunDir:
         try:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())  # a crash after the rename must not leave an empty log
             os.replace(tmp, self.log_path)
         except OSError as e:
             _remove_file(tmp)
@@ -339,6 +342,8 @@ class RunDir:
         tmp = os.path.join(self.checkpoints, f".tmp-step-{step:08d}-{os.getpid()}")
         staged = {}
         try:
+            if os.path.isfile(self.log_path):  # on the disk before the checkpoint: a crash keeps every step it holds
+                _fsync(self.log_path)
             files = self._write(tmp, model, optimizer_tensors, state, tokenizer)
             # the model file last: until it is replaced, OUT's files are all the previous checkpoint's
             published = sorted((n for n in files if n != OPTIMIZER), key=lambda n: n == "model.safetensors")
