@@ -218,6 +218,33 @@ def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(dem
           "--init_from=./missing: ./missing: no such directory")
 
 
+def test_a_missing_init_from_is_named_as_a_folder_and_as_a_hub_id(demo_corpus, tmp_path, capsys, monkeypatch):
+    """Under a recipe that takes a Hugging Face start, with --data and --tokens given: what the hub cannot hold (an
+    absolute path, ./ or ../, two '/', a '/' at the end) is a folder that is not here, said before the data is read
+    or the hub is asked; what may be either, fetched in vain, is named in both readings, with what the hub said."""
+    import httpx
+    from huggingface_hub.errors import RepositoryNotFoundError
+    asked = []
+
+    def hub(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise answer
+    monkeypatch.setattr("huggingface_hub.snapshot_download", hub)
+    argv = ["--recipe=cpu", f"--data={tmp_path / 'no-data'}", "--tokens=1e6", f"--out_dir={tmp_path / 'o'}"]
+    for path in (str(tmp_path / "mistyped"), "./mistyped", "../out/mistyped", "out/run/mistyped", "out/mistyped/"):
+        fails(capsys, [f"--init_from={path}", *argv], f"--init_from={path}: {path}: no such directory, and not a hub id")
+    assert asked == []
+    argv[1] = f"--data={demo_corpus}"
+    answer = RepositoryNotFoundError("404 Client Error. Repository Not Found", response=httpx.Response(
+        404, request=httpx.Request("GET", "https://huggingface.co/api/models/out/mistyped")))
+    fails(capsys, ["--init_from=out/mistyped", *argv], "--init_from=out/mistyped: no such folder here, and could not "
+          "fetch 'out/mistyped' from the Hugging Face hub: no such model on the hub (or a private one)")
+    answer = ConnectionError("offline")
+    fails(capsys, ["--init_from=out/mistyped", *argv], "no such folder here, and could not fetch 'out/mistyped'",
+          "the hub could not be reached (ConnectionError: offline)")
+    assert asked == ["out/mistyped"] * 2 and not (tmp_path / "o").exists()
+
+
 # torchrun's variables left in a shell, or written by hand: (environment, words of the one line). Each is refused
 # before any rendezvous (which would wait, or end in a traceback); the message says what to run instead.
 TORCHRUN = dict(LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29400")
