@@ -301,8 +301,8 @@ def prepare(inputs, tokenizer_spec, out_dir, field="text", mix=None, val_fractio
     Inputs are files, folders (one source of their files) or globs (machinery/prepare.py). The work
     is shared by `workers` processes (default: one per usable core); the files are the same bytes
     for any number of them. They are written in a folder of this process's own and moved into
-    place at the end, under out_dir/.lock: a failure leaves nothing half-written, and a second
-    prepare into the same folder while this one runs is refused."""
+    place at the end, under out_dir/.lock: a failure leaves nothing half-written (nor an out_dir
+    it made), and a second prepare into the same folder while this one runs is refused."""
     t0, out = time.time(), Path(out_dir)
     sources = find_sources(inputs)
     names, workers = [s.name for s in sources], usable_cores() if workers is None else workers

@@ -438,8 +438,6 @@ def setup(given):
         kernels.compile_blocks(model, COMPILERS[device.type])
     # no device_ids: DDP would move the labels to the GPU, but the model reads them on the host
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
-    if run_dir:
-        run_dir.trim_log(phase_step)  # the log holds exactly the steps of the checkpoint we start from
     tracker = tracking.Trackers(cfg.log_to if run_dir else "", cfg.out_dir, run_dir and run_dir.run_id,
                                 dataclasses.asdict(cfg), phase_step + 1 if STARTS[how].phase else 0)  # logged anew
     return progress.Run(cfg=cfg, how=how, model=model, ddp_model=ddp_model, optimizer=optimizer, loader=loader,
@@ -551,9 +549,10 @@ def main(argv=None):
     if wants_help:  # every flag with its default under the recipe and phase given, and its meaning
         return print(flags.help_text(Config, resolve_config({k: given[k] for k in ("recipe", "phase") if k in given}),
                                      __doc__))
-    r = setup(given)
-    with r.tracker, flags.out_of_memory_explained(r):  # the sizes a step tried, and what to lower
-        total_steps, stopped_by, elapsed = train(r)
+    with rundir.undone_if_refused():  # a start stopped before its first record takes back the folder it made
+        r = setup(given)
+        with r.tracker, flags.out_of_memory_explained(r):  # the sizes a step tried, and what to lower
+            total_steps, stopped_by, elapsed = train(r)
     cli.all_gather(None, r.world)  # a barrier: nobody tears the process group down while rank 0 saves
     progress.finish(r, total_steps, stopped_by, elapsed, learning_rate)  # the summary, the lock let go; a Stop
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 from machinery.cli import MAX_THREADS, InputError, did_you_mean, importing, run
 from machinery.cli import out_of_memory as allocation_failed
-from machinery.hf import hub_id_problem
+from machinery.hf import checkpoint_problem, hub_id_problem
 
 LR_BOUND = 1e-2  # above any published encoder recipe (ModernBERT: 8e-4 to 2e-3): a typo, not an intent
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # --tokens=10B
@@ -501,6 +501,8 @@ def check_start(cfg, how, state, config_cls):
             raise InputError(f"--init_from={cfg.init_from}: no such folder, so no run of train.py to continue")
         raise InputError(f"--recipe=demo trains a tiny model; --init_from={cfg.init_from} (a pretrained "
                          f"checkpoint) needs --recipe=paper or another recipe")
+    if how == "weights" and state is None and checkpoint_problem(cfg.init_from):  # before any network or data
+        raise InputError(f"--init_from={cfg.init_from}: {checkpoint_problem(cfg.init_from)}")
     if cfg.phase == "decay" and how == "fresh":
         raise InputError("--phase=decay needs --init_from: the run (or checkpoint) to decay from")
     if how == "handoff" and state["phase"] == "decay" and cfg.phase == "decay":

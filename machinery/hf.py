@@ -354,20 +354,40 @@ def hub_id_problem(text, namespace=True):
 HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
 
 
+def checkpoint_problem(path_or_id):
+    """Why `path_or_id` is neither a local directory nor a hub id, in words (an absolute path, ./ or ../, more than one
+    '/', a '/' at the end: what the hub refuses); None where it may be either. Needs no network, so a mistyped path
+    is answered at once."""
+    if os.path.isdir(path_or_id):
+        return None
+    if os.path.exists(path_or_id):
+        return f"{path_or_id}: not a directory, and not a hub id like 'answerdotai/ModernBERT-base'"
+    problem = hub_id_problem(path_or_id)
+    return problem and f"{path_or_id}: no such directory, and not a hub id like 'answerdotai/ModernBERT-base' " \
+                       f"({problem})"
+
+
 def resolve_checkpoint(path_or_id):
-    """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network)."""
+    """A local directory as is; otherwise a hub id fetched with huggingface_hub (needs the network). A value that may
+    be either, fetched in vain, is named in both readings: a folder that is not here, a model the hub has not or
+    that could not be reached."""
     if os.path.isdir(path_or_id):
         return path_or_id
-    if os.path.exists(path_or_id) or hub_id_problem(path_or_id):
-        what = "not a directory" if os.path.exists(path_or_id) else "no such directory"
-        raise InputError(f"{path_or_id}: {what}, and not a hub id like 'answerdotai/ModernBERT-base'")
+    problem = checkpoint_problem(path_or_id)
+    if problem:
+        raise InputError(problem)
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(path_or_id, allow_patterns=HUB_FILES)
     except Exception as e:
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
         reason = (str(e).splitlines() or [""])[0][:200]
-        raise InputError(f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: "
-                         f"{reason}); download it where the network allows and pass the local directory") from e
+        hub = "a gated model, which needs a login (hf auth login)" if isinstance(e, GatedRepoError) else \
+            "no such model on the hub (or a private one)" if isinstance(e, RepositoryNotFoundError) else \
+            "the hub could not be reached"
+        raise InputError(f"no such folder here, and could not fetch {path_or_id!r} from the Hugging Face hub: {hub} "
+                         f"({type(e).__name__}: {reason}); check the path, or download it where the network allows "
+                         f"and pass the local directory") from e
 
 
 def hub_snapshot(hub_id, cached_only=False):

@@ -35,6 +35,7 @@ import numpy as np
 
 from machinery.cli import InputError, Stop, check_outputs, die_with, sha256_file, stop_on_sigterm, usable_cores
 from machinery.rundir import hold_lock, release_lock
+from machinery.stages import check_writable
 from machinery.tokenizer import is_int
 
 FORMATS = (".jsonl", ".txt", ".parquet")
@@ -659,7 +660,8 @@ def write_block(tokens, dtype, starts, lengths, dst, offset):
 
 
 def check_prepare_args(names, out, mix, val_fraction, seed, workers):
-    """Every argument of `prepare` checked before any tokenizing; creates out."""
+    """Every argument of `prepare` checked before any tokenizing (and before the tokenizer is fetched): out, or the
+    folder it would be made in, must take a new folder. Nothing is made yet: workspace makes out."""
     weights = list((mix or {}).values())
     for ok, message in [
             (len(set(names)) == len(names),
@@ -676,7 +678,7 @@ def check_prepare_args(names, out, mix, val_fraction, seed, workers):
             (not out.exists() or out.is_dir(), f"--out={out}: is a file, expected a directory")]:
         if not ok:
             raise InputError(message)
-    make_writable_dir(out, out)
+    check_writable(out)
 
 
 def make_writable_dir(folder, out, flag="--out"):
@@ -708,7 +710,9 @@ TEMP_FOLDER = re.compile(r"\.prepare-\d+-[0-9a-f]{8}")  # where one prepare writ
 def workspace(out):
     """(a folder of this process's own inside out, the lock): the work happens under out/.lock, so that a failure
     (a full disk) leaves nothing half-written and a second prepare into the same folder while this one runs is
-    refused. Ctrl-C or SIGTERM stops it the same way: one line, and out as it was before."""
+    refused. Ctrl-C or SIGTERM stops it the same way: one line, and out as it was before (absent if it was)."""
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
+    make_writable_dir(out, out)
     lock = hold_lock(out / ".lock", f"--out={out}: another data.py prepare is writing there (it holds "
                                     f"{out / '.lock'}); wait for it or choose another --out")
     tmp = out / f".prepare-{os.getpid()}-{secrets.token_hex(4)}"
@@ -727,6 +731,9 @@ def workspace(out):
     finally:
         remove_temp_folder(tmp)
         release_lock(lock)
+        for folder in made:  # what a failure leaves of them is empty: a folder that looks prepared and is not
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def publish(tmp, out, files):

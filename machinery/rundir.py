@@ -8,7 +8,8 @@ A run directory OUT, as train.py writes it:
     OUT/config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json
                                     copies of the latest checkpoint's Hugging Face files: OUT loads with
                                     from_pretrained; train.py never reads them, and the next save replaces them
-    OUT/log.jsonl                   one JSON record per line (train.py writes it)
+    OUT/log.jsonl                   one JSON record per line (train.py writes it), on the disk before each
+                                    checkpoint: a crash loses only the steps after it, which a resume runs again
     OUT/README.md                   the model card, rewritten at each save while it is ours: it ends with our
                                     mark, the sha256 of the text above it; a card the user wrote or edited is theirs
     OUT/checkpoints/step-00000050/  .checkpoint (the run_id), the Hugging Face files, optimizer.safetensors,
@@ -30,6 +31,7 @@ writes no byte twice; elsewhere it costs the model's size once more per save.
 """
 import base64
 import binascii
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -75,6 +77,10 @@ class RunDir:
         self.log_path = os.path.join(path, "log.jsonl")
         self.checkpoints = os.path.join(path, "checkpoints")
         self._lock = None
+        # Until this process writes a record or a checkpoint, it has changed nothing a run wrote before: what it made
+        # (run.json, the folder, .lock) is all abandon() takes back, and the log keeps its records until then.
+        self._made, self._lock_made, self._written = [], False, False
+        self._log_until = None  # the records the log keeps at the first write (-1: none), None: all
 
     # ---- which folder is a run, and whose -------------------------------------------------------------
 
@@ -82,8 +88,8 @@ class RunDir:
     def create(cls, path, locked=False):
         """A new run in `path` (made if missing), locked when asked. Refuses a run that holds a checkpoint, a folder a run would
         overwrite, a file. A run of ours that stopped before its first checkpoint is started over (its lock
-        still keeps two processes apart), its log too: it holds steps no checkpoint has (a hand-off's step-0
-        validation among them), which the run logs again."""
+        still keeps two processes apart), its log too, at the new run's first record: it holds steps no checkpoint
+        has (a hand-off's step-0 validation among them), which the run logs again."""
         path = os.path.normpath(path)
         marker = os.path.join(path, RUN_FILE)
         if os.path.lexists(path) and not os.path.isdir(path):
@@ -95,7 +101,7 @@ class RunDir:
                                  f"continue it, or choose another --out_dir")
             if locked:  # the process that writes the run: no other one is writing its log
                 run.lock()
-                _remove_file(run.log_path)
+                run._log_until = -1
             return run
         clash = [name for name in OUTPUTS if os.path.lexists(os.path.join(path, name))]
         if clash:
@@ -120,6 +126,7 @@ class RunDir:
         finally:
             _remove_file(tmp)
         run = cls(path, run_id)
+        run._made = [marker, path] if made else [marker]
         return run.locked() if locked else run
 
     @classmethod
@@ -182,8 +189,12 @@ class RunDir:
         """An exclusive lock on OUT/.lock, held until unlock() or the process ends."""
         if self._lock is None:
             lock_path = os.path.join(self.path, ".lock")
+            made = not os.path.lexists(lock_path)  # a kill leaves the file: then it was there before us
             self._lock = hold_lock(lock_path, f"{self.path}: another train.py is writing this run (it holds "
                                               f"{lock_path})")
+            self._lock_made = made
+            if _STARTING is not None:
+                _STARTING.append(self)
 
     def unlock(self):
         """At a clean end: remove OUT/.lock and release it."""
@@ -191,12 +202,40 @@ class RunDir:
             release_lock(self._lock)
             self._lock = None
 
+    def abandon(self):
+        """A start that stopped before writing anything (a refused flag or file, Ctrl-C, a first step out of
+        memory): take back what it made, run.json, .lock and the folder, so that no husk reads as a run; a run it
+        was to resume or start over stays byte for byte as it was. Nothing once a record or a checkpoint is written."""
+        if self._written:
+            return
+        if self._lock is not None:
+            if self._lock_made:
+                release_lock(self._lock)
+            else:  # a .lock a kill left stays
+                self._lock.close()
+            self._lock = None
+        for path in self._made:  # run.json, then the folder, if this start made it and it holds nothing else
+            if os.path.isdir(path) and not os.path.islink(path):
+                if not os.listdir(path):
+                    os.rmdir(path)
+            else:
+                _remove_file(path)
+        self._made = []
+
+    def _first_write(self):
+        """Before this process's first record or checkpoint: the log as the start it makes holds it (trim_log)."""
+        if not self._written:
+            if self._log_until is not None:
+                self.trim_log(self._log_until)
+            self._written = True
+
     # ---- the log --------------------------------------------------------------------------------------------
 
     def append_log(self, record):
         """One record at the end of log.jsonl. A disk that takes no more (full, read-only) stops the run with one
         line naming the log and the checkpoint it can go on from: the log is written at every step, so a disk that
         fills up between saves is met here first, and a run that went on would leave steps out of it."""
+        self._first_write()
         try:
             append_log(self.log_path, record)
         except OSError as e:
@@ -205,8 +244,8 @@ class RunDir:
 
     def trim_log(self, step):
         """Keep the records up to `step`, the checkpoint a resume starts from: the steps after it will be
-        run, and logged, again. A line cut short by a kill is dropped. Written beside the log and renamed over it:
-        a disk that cannot take it leaves the log as it was, and one line says so."""
+        run, and logged, again (-1: none is kept). A line cut short by a kill is dropped. Written beside the log and
+        renamed over it: a disk that cannot take it leaves the log as it was, and one line says so."""
         if not os.path.exists(self.log_path):
             return
         kept = []
@@ -221,11 +260,15 @@ class RunDir:
         try:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())  # a crash after the rename must not leave an empty log
             os.replace(tmp, self.log_path)
         except OSError as e:
             _remove_file(tmp)
-            raise InputError(f"{self.log_path}: cannot rewrite it with the records up to step {step}, where the run "
-                             f"resumes ({e.strerror or e}); nothing was trained, and the log is as it was") from None
+            kept = f"with the records up to step {step}, where the run resumes" if step >= 0 else "empty, for the " \
+                "run that starts over there"
+            raise InputError(f"{self.log_path}: cannot rewrite it {kept} ({e.strerror or e}); the log is as it was, "
+                             f"and the run stops here: {self._intact()}") from None
 
     # ---- the model card ------------------------------------------------------------------------------------
 
@@ -290,6 +333,7 @@ class RunDir:
         if type(keep) is not int or keep < 1:
             raise InputError(f"--keep={keep}: expected an integer of at least 1 (checkpoints kept)")
         step = validate_state({**state, "files": {}}, "the state to save")["phase_step"]
+        self._first_write()
         intact = self._intact()
         tensors = [*model.named_parameters(), *optimizer_tensors.items()]
         bad = next((name for name, t in tensors if not bool(t.isfinite().all())), None)
@@ -298,6 +342,8 @@ class RunDir:
         tmp = os.path.join(self.checkpoints, f".tmp-step-{step:08d}-{os.getpid()}")
         staged = {}
         try:
+            if os.path.isfile(self.log_path):  # on the disk before the checkpoint: a crash keeps every step it holds
+                _fsync(self.log_path)
             files = self._write(tmp, model, optimizer_tensors, state, tokenizer)
             # the model file last: until it is replaced, OUT's files are all the previous checkpoint's
             published = sorted((n for n in files if n != OPTIMIZER), key=lambda n: n == "model.safetensors")
@@ -807,6 +853,26 @@ def append_log(path, record):
         f.write(json.dumps(clean, allow_nan=False) + "\n")
 
 
+_STARTING = None  # inside undone_if_refused: the run directories this process made or locked
+
+
+@contextlib.contextmanager
+def undone_if_refused():
+    """Around a start of train.py: if it stops before its run writes a record or a checkpoint, every run directory
+    it made or locked meanwhile is abandon()ed: a refused start into a fresh --out_dir leaves no folder, and a
+    refused --resume leaves the run as it was."""
+    global _STARTING
+    outer, _STARTING = _STARTING, []
+    try:
+        yield
+    except BaseException:
+        for run in _STARTING:
+            run.abandon()
+        raise
+    finally:
+        _STARTING = outer
+
+
 class GracefulStop:
     """SIGINT and SIGTERM while training: the first sets .requested (the loop saves at the next step boundary
     and exits), a second raises KeyboardInterrupt at once. The previous handlers come back on exit."""
@@ -838,7 +904,9 @@ class GracefulStop:
 
 def resume_from(out_dir, master, share, phases, fields):
     """(run directory, newest complete checkpoint's state) of the run --resume continues: rank 0 opens and locks
-    it, `share` hands its state to every rank (a collective)."""
+    it, `share` hands its state to every rank (a collective). Its log keeps exactly the steps of that checkpoint:
+    the steps after it are run, and logged, again (trimmed at the first record, so a refused resume changes
+    nothing)."""
     if not RunDir.is_run(out_dir):
         raise InputError(f"--resume needs --out_dir=<a run directory of train.py>; {out_dir or 'none'} holds no "
                          f"{RUN_FILE}")
@@ -848,6 +916,8 @@ def resume_from(out_dir, master, share, phases, fields):
     state = share(run_dir.latest_state(phases, fields) if master else None)
     if state is None:
         raise InputError(f"--resume --out_dir={out_dir}: no complete checkpoint there yet")
+    if run_dir:
+        run_dir._log_until = state["phase_step"]
     return run_dir, state
 
 

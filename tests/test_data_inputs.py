@@ -208,7 +208,32 @@ def test_prepare_bad_input(case, extra, expected, tmp_path, capsys):
     lines = err.rstrip("\n").split("\n")  # before the error there may be a progress bar, nothing else
     assert code == 2 and lines[-1].startswith("error: ") and "error" not in "".join(lines[:-1]), err
     assert "Traceback" not in err and all(w in lines[-1] for w in expected), err
-    assert not (tmp_path / "out" / "meta.json").exists()
+    assert not (tmp_path / "out").exists()  # a failed prepare leaves no folder that looks prepared
+
+
+def test_a_tokenizer_that_cannot_be_fetched_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
+    """Offline, a hub id's tokenizer.json cannot be fetched: one line, and --out as it was: absent where it was
+    absent (its missing parents too), a folder of the user's with its files untouched. A folder that cannot take
+    the output is refused first, before any fetch."""
+    import huggingface_hub
+
+    def offline(repo_id, filename, **kwargs):
+        fetched.append(repo_id)
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline: not in the cache")
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    write_jsonl(tmp_path / "corpus.jsonl", [f"document number {i}" for i in range(20)])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    for out in (tmp_path / "new" / "data", tmp_path / "mine"):
+        code, err = run_cli(["prepare", "--input", tmp_path / "corpus.jsonl", "--out", out, "--tokenizer",
+                             "someone/a-tokenizer"], capsys)
+        assert code == 2 and "could not fetch tokenizer.json of hub id 'someone/a-tokenizer'" in err, err
+    assert fetched == ["someone/a-tokenizer"] * 2
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "mine") == ["notes.txt"]
+    code, err = run_cli(["prepare", "--input", tmp_path / "corpus.jsonl", "--out", tmp_path / "corpus.jsonl" / "x",
+                         "--tokenizer", "someone/a-tokenizer"], capsys)
+    assert code == 2 and "cannot write there" in err and len(fetched) == 2, err
 
 
 def test_prepare_good_input_passes_the_same_checks(tmp_path, capsys):

@@ -986,6 +986,23 @@ def test_a_resume_trims_the_log_to_its_checkpoint_and_keeps_every_record_on_a_li
     with open(run.log_path) as f:
         assert [json.loads(line) for line in f] == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
 
+def test_the_log_is_on_the_disk_before_the_checkpoint_that_covers_it(tmp_path, monkeypatch):
+    """A checkpoint is fsynced; the records of the steps it covers are too, before it: after a crash its resume
+    finds them all (a log with a gap would draw a curve, and a card, with steps missing). A resume's trim reaches the
+    disk before its rename, so a crash then never leaves an empty log."""
+    run = RunDir.create(str(tmp_path / "run"))
+    run.append_log({"step": 1, "loss": 2.5})
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    save(run, 1)
+    assert run.log_path in synced
+    assert synced.index(run.log_path) < min(i for i, path in enumerate(synced) if path.startswith(run.checkpoints))
+    synced.clear()
+    run.trim_log(1)
+    assert synced == [f"{run.log_path}.tmp-{run.run_id}"]
+
+
 @pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
                                            (signal.SIGTERM, signal.SIGINT)])
 def test_graceful_stop(capsys, first, second):
@@ -1030,6 +1047,6 @@ def test_a_disk_that_fills_between_saves_stops_the_run_at_its_log_with_one_line(
            f"here: the previous checkpoint {run.checkpoints}/step-00000001 is intact" == str(stopped.value)
     before = tree(disk / "run")
     with pytest.raises(InputError, match=rf"{run.log_path}: cannot rewrite it with the records up to step 1, where "
-                                         rf"the run resumes \(No space left on device\); nothing was trained"):
+                                         rf"the run resumes \(No space left on device\); the log is as it was"):
         run.trim_log(1)
     assert tree(disk / "run") == before and leftovers(run) == []

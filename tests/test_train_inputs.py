@@ -171,7 +171,7 @@ if not torch.cuda.is_available():
 def test_bad_flag_is_one_line_before_any_compute(flags, words, demo_corpus, tmp_path, capsys):
     out = tmp_path / "out"
     fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], *words)
-    assert not (out / "model.safetensors").exists()
+    assert not out.exists()  # refused after the run directory was made, or before: no husk that reads as a run
 
 
 def test_hub_ids_are_those_the_hub_takes():
@@ -216,6 +216,33 @@ def test_a_start_that_is_neither_a_folder_nor_a_hub_id_is_named_as_init_from(dem
     --init_from, never of a --base_model the user did not give."""
     fails(capsys, ["--recipe=paper", "--init_from=./missing", f"--data={demo_corpus}", f"--out_dir={tmp_path / 'o'}"],
           "--init_from=./missing: ./missing: no such directory")
+
+
+def test_a_missing_init_from_is_named_as_a_folder_and_as_a_hub_id(demo_corpus, tmp_path, capsys, monkeypatch):
+    """Under a recipe that takes a Hugging Face start, with --data and --tokens given: what the hub cannot hold (an
+    absolute path, ./ or ../, two '/', a '/' at the end) is a folder that is not here, said before the data is read
+    or the hub is asked; what may be either, fetched in vain, is named in both readings, with what the hub said."""
+    import httpx
+    from huggingface_hub.errors import RepositoryNotFoundError
+    asked = []
+
+    def hub(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise answer
+    monkeypatch.setattr("huggingface_hub.snapshot_download", hub)
+    argv = ["--recipe=cpu", f"--data={tmp_path / 'no-data'}", "--tokens=1e6", f"--out_dir={tmp_path / 'o'}"]
+    for path in (str(tmp_path / "mistyped"), "./mistyped", "../out/mistyped", "out/run/mistyped", "out/mistyped/"):
+        fails(capsys, [f"--init_from={path}", *argv], f"--init_from={path}: {path}: no such directory, and not a hub id")
+    assert asked == []
+    argv[1] = f"--data={demo_corpus}"
+    answer = RepositoryNotFoundError("404 Client Error. Repository Not Found", response=httpx.Response(
+        404, request=httpx.Request("GET", "https://huggingface.co/api/models/out/mistyped")))
+    fails(capsys, ["--init_from=out/mistyped", *argv], "--init_from=out/mistyped: no such folder here, and could not "
+          "fetch 'out/mistyped' from the Hugging Face hub: no such model on the hub (or a private one)")
+    answer = ConnectionError("offline")
+    fails(capsys, ["--init_from=out/mistyped", *argv], "no such folder here, and could not fetch 'out/mistyped'",
+          "the hub could not be reached (ConnectionError: offline)")
+    assert asked == ["out/mistyped"] * 2 and not (tmp_path / "o").exists()
 
 
 # torchrun's variables left in a shell, or written by hand: (environment, words of the one line). Each is refused
@@ -549,6 +576,36 @@ def test_second_writer_is_refused(demo_corpus, tmp_path, capsys):
         fails(capsys, [f"--out_dir={out}", "--resume"], "another train.py", ".lock")
     train.main([f"--out_dir={out}", "--resume"])  # released: runs, and leaves no lock file behind
     assert not (out / ".lock").exists()
+
+
+def files_of(folder):
+    """{path under folder: its bytes} for every file, .lock included."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# Refused after the run directory is made or locked: by the model's blocks, and by what a checkpoint can hold.
+LATE_REFUSALS = [(["--freeze=0-99"], "--freeze='0-99'"), (["--tokens=5e18", "--max_steps=1"], "nothing was trained")]
+
+
+@pytest.mark.parametrize("flags, words", LATE_REFUSALS, ids=[f[0] for f, _ in LATE_REFUSALS])
+def test_a_refused_start_leaves_its_out_dir_as_it_was(flags, words, run_dir, demo_corpus, tmp_path, capsys):
+    """A start refused once its run directory is made takes back what it made (run.json, .lock, the folder) and
+    nothing more: an empty folder the user made stays, and a run of ours killed before its first checkpoint keeps
+    its log and its .lock byte for byte (a start that runs empties that log at its first record). A refused
+    --resume leaves its run byte for byte, the log's records past the checkpoint (a kill between saves) included,
+    with no .lock added."""
+    made, empty, husk, resumed = tmp_path / "made", tmp_path / "empty", tmp_path / "husk", copy_run(run_dir, tmp_path)
+    empty.mkdir()
+    RunDir.create(str(husk)).append_log({"step": 1, "loss": 7.0})
+    (husk / ".lock").write_text("")  # a kill leaves the file, never the lock
+    with open(resumed / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.0}\n')
+    before = {out: files_of(out) for out in (empty, husk, resumed)}
+    for out in (made, empty, husk):
+        fails(capsys, [f"--data={demo_corpus}", f"--out_dir={out}", *with_small(*flags)], words)
+    fails(capsys, [f"--out_dir={resumed}", "--resume", *flags], flags[0].split("=")[0])
+    assert not made.exists()
+    assert {out: files_of(out) for out in (empty, husk, resumed)} == before and os.listdir(empty) == []
 
 
 def test_a_checkpoint_older_than_some_settings_resumes_with_their_defaults(run_dir, tmp_path, capsys):
