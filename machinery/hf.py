@@ -380,10 +380,11 @@ def resolve_checkpoint(path_or_id):
         from huggingface_hub import snapshot_download
         return snapshot_download(path_or_id, allow_patterns=HUB_FILES)
     except Exception as e:
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
         reason = (str(e).splitlines() or [""])[0][:200]
-        hub = "a gated model, which needs a login (hf auth login)" if isinstance(e, GatedRepoError) else \
-            "no such model on the hub (or a private one)" if isinstance(e, RepositoryNotFoundError) else \
+        kinds = {kind.__name__ for kind in type(e).__mro__}  # by name: huggingface_hub may be what is missing
+        hub = "huggingface_hub is not installed" if isinstance(e, ImportError) else \
+            "a gated model, which needs a login (hf auth login)" if "GatedRepoError" in kinds else \
+            "no such model on the hub (or a private one)" if "RepositoryNotFoundError" in kinds else \
             "the hub could not be reached"
         raise InputError(f"no such folder here, and could not fetch {path_or_id!r} from the Hugging Face hub: {hub} "
                          f"({type(e).__name__}: {reason}); check the path, or download it where the network allows "
