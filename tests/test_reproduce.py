@@ -136,12 +136,12 @@ def detour(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def biphasic_stopped(tmp_path_factory):
-    """The biphasic study at the smoke scale, SIGTERM to the driver alone once the CLM 25% phase has finished.
-    Returns (out, args, the stopped driver's output and exit status, the stage processes left right after)."""
+    """The biphasic study at the smoke scale, SIGTERM to the driver alone once its corpus is prepared and a training
+    has started. Returns (out, args, the stopped driver's output and exit status, the stage processes left after)."""
     need(CORPUS)
     out = tmp_path_factory.mktemp("biphasic") / "exp"
     args = ["--study=biphasic", "--scale=smoke", f"--out={out}", "--jobs=2"]
-    text, status = interrupted(args, out, "clm25-r1", signal.SIGTERM)
+    text, status = interrupted(args, out, "data-corpus", signal.SIGTERM)
     return out, args, text, status, stage_processes(out)
 
 
@@ -258,7 +258,7 @@ def test_sigterm_to_the_driver_ends_every_stage(biphasic_stopped):
 @pytest.mark.slow
 def test_a_rerun_after_sigterm_finishes(biphasic):
     out, _, second = biphasic
-    assert "[skip]   clm25-r1: finished" in second and (out / "report.md").exists()
+    assert "[skip]   data-corpus: finished" in second and (out / "report.md").exists()
 
 
 @pytest.mark.slow

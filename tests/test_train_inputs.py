@@ -910,23 +910,33 @@ def killed(argv):
     gc.collect()
 
 
+def protocol_flags(demo_corpus):
+    return [f"--data={demo_corpus}", *with_small("--save_interval=1"), f"--tokens={4 * STEP_TOKENS}", "--keep=2"]
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(demo_corpus, tmp_path_factory):
+    """The weights of the protocol's run never interrupted (one run for every kill point)."""
+    out = tmp_path_factory.mktemp("straight")
+    train.main([*protocol_flags(demo_corpus), f"--out_dir={out}"])
+    return load_file(out / "model.safetensors")
+
+
 @pytest.mark.parametrize("owner, function, call", PROTOCOL_POINTS,
                          ids=[f"{o.__name__}.{f}#{n}" for o, f, n in PROTOCOL_POINTS])
 def test_kill_at_each_point_of_the_save_resumes_bit_identically(owner, function, call, demo_corpus, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, never_interrupted):
     """Kill inside the second save, then again in the resumed run's first save: --resume still finds the
     newest complete checkpoint and ends with the weights of a run never interrupted."""
-    flags = [f"--data={demo_corpus}", *with_small("--save_interval=1"), f"--tokens={4 * STEP_TOKENS}", "--keep=2"]
-    train.main([*flags, f"--out_dir={tmp_path / 'straight'}"])
-    out = tmp_path / "run"
+    flags, out = protocol_flags(demo_corpus), tmp_path / "run"
     for argv, after in (([*flags, f"--out_dir={out}"], 2), ([f"--out_dir={out}", "--resume"], 1)):
         with monkeypatch.context() as patch:
             arm_kill(owner, function, patch, call, after)
             killed(argv)
     train.main([f"--out_dir={out}", "--resume"])
-    straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "straight"]  # nothing beside the runs
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(never_interrupted[k], resumed[k]) for k in never_interrupted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing beside the run
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
     assert [r["step"] for r in map(json.loads, open(out / "log.jsonl")) if "loss" in r] == [1, 2, 3, 4]
 
