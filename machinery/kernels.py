@@ -287,8 +287,9 @@ def deterministic_compiler(on=True, device=None):
     choice that changes the order of the sums and can differ between two processes, so a resumed run could round
     differently from the uninterrupted one, where --resume promises the same bits. Returns whether the mode is
     on: False where this PyTorch has no such mode (then compiled kernels are timed, whatever `on` says), and on a
-    `device` other than CUDA, where nothing compiles with inductor (blocks, fused loss and FlexAttention compile on
-    CUDA only) and its import, 1.5 s, is skipped."""
+    `device` other than CUDA, where it is left unset and inductor unimported (1.5 s): the fused loss and FlexAttention
+    compile on CUDA only, train.py's COMPILERS has no CPU entry, and inductor's CPU kernels are timed only under
+    max-autotune, which nothing here turns on."""
     if device is not None and device.type != "cuda":
         return False
     import torch._inductor.config as inductor
