@@ -1009,6 +1009,20 @@ def test_a_resume_that_ends_without_a_record_still_cuts_its_log_back_to_its_chec
     assert state["phase_step"] == 1 and steps() == [1]
 
 
+def test_a_start_stopped_before_its_first_record_takes_back_what_it_made_and_nothing_else(tmp_path):
+    """A start stopped before its first record takes back the run.json, .lock and folder it made; a file put in that
+    folder meanwhile is not its to take (the folder stays, holding it alone)."""
+    out = tmp_path / "new"
+    for put in (False, True):
+        with pytest.raises(KeyboardInterrupt), rundir.undone_if_refused():
+            RunDir.create(str(out), locked=True)
+            if put:
+                (out / "notes.txt").write_text("mine")
+            raise KeyboardInterrupt
+        assert os.listdir(tmp_path) == (["new"] if put else [])
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
 def test_the_log_is_on_the_disk_before_the_checkpoint_that_covers_it(tmp_path, monkeypatch):
     """A checkpoint is fsynced; the records of the steps it covers are too, before it: after a crash its resume
     finds them all (a log with a gap would draw a curve, and a card, with steps missing). A resume's trim reaches the
