@@ -860,7 +860,8 @@ _STARTING = None  # inside undone_if_refused: the run directories this process m
 def undone_if_refused():
     """Around a start of train.py: if it stops before its run writes a record or a checkpoint, every run directory
     it made or locked meanwhile is abandon()ed: a refused start into a fresh --out_dir leaves no folder, and a
-    refused --resume leaves the run as it was."""
+    refused --resume leaves the run as it was. One that ends without a record (a --resume whose budget ends at its
+    checkpoint) has its log cut back to that checkpoint all the same."""
     global _STARTING
     outer, _STARTING = _STARTING, []
     try:
@@ -869,6 +870,9 @@ def undone_if_refused():
         for run in _STARTING:
             run.abandon()
         raise
+    else:  # the records a kill left past the checkpoint are not the run's: its summary would read them
+        for run in _STARTING:
+            run._first_write()
     finally:
         _STARTING = outer
 

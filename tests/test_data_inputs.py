@@ -236,6 +236,17 @@ def test_a_tokenizer_that_cannot_be_fetched_leaves_out_as_it_was(tmp_path, capsy
     assert code == 2 and "cannot write there" in err and len(fetched) == 2, err
 
 
+def test_a_failed_prepare_removes_the_folders_it_made_and_none_it_found(tmp_path, capsys):
+    """A failure met while tokenizing (a line that is no text) removes what the prepare made, --out and its missing
+    parents, and leaves a folder that was there before, empty as it was."""
+    bad = raw(tmp_path, "s.jsonl", b'{"text": "a"}\n{"text": "x \\ud800"}\n')
+    (tmp_path / "mine").mkdir()
+    for out in (tmp_path / "new" / "data", tmp_path / "mine"):
+        code, err = run_cli(["prepare", "--input", bad, "--out", out, *GOOD], capsys)
+        assert code == 2 and "lone surrogate" in err, err
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "mine") == []
+
+
 def test_prepare_good_input_passes_the_same_checks(tmp_path, capsys):
     """The table's base command is valid, so every failure above is due to its one changed flag."""
     write_jsonl(tmp_path / "corpus.jsonl", [f"document number {i}" for i in range(20)])

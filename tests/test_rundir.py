@@ -986,6 +986,43 @@ def test_a_resume_trims_the_log_to_its_checkpoint_and_keeps_every_record_on_a_li
     with open(run.log_path) as f:
         assert [json.loads(line) for line in f] == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
 
+def test_a_resume_that_ends_without_a_record_still_cuts_its_log_back_to_its_checkpoint(tmp_path):
+    """A --resume whose budget ends at its checkpoint runs no step and writes no record; its log still ends at that
+    checkpoint (its summary reads the last validation there): the records a kill left past it are not the run's. One
+    refused before its first record leaves them, the run byte for byte as it was."""
+    run = RunDir.create(str(tmp_path / "run"))
+    run.append_log({"step": 1, "loss": 3.0, "val_mlm": 3.0})
+    save(run, 1)
+    run.append_log({"step": 2, "loss": 2.0, "val_mlm": 2.0})  # a kill between saves
+    before = tree(run.path)
+
+    def steps():
+        with open(run.log_path) as f:
+            return [json.loads(line)["step"] for line in f]
+    with pytest.raises(InputError), rundir.undone_if_refused():
+        rundir.resume_from(run.path, True, lambda state: state, PHASES, FIELDS)
+        raise InputError("refused")
+    assert tree(run.path) == before and steps() == [1, 2]
+    with rundir.undone_if_refused():
+        resumed, state = rundir.resume_from(run.path, True, lambda state: state, PHASES, FIELDS)
+    resumed.unlock()
+    assert state["phase_step"] == 1 and steps() == [1]
+
+
+def test_a_start_stopped_before_its_first_record_takes_back_what_it_made_and_nothing_else(tmp_path):
+    """A start stopped before its first record takes back the run.json, .lock and folder it made; a file put in that
+    folder meanwhile is not its to take (the folder stays, holding it alone)."""
+    out = tmp_path / "new"
+    for put in (False, True):
+        with pytest.raises(KeyboardInterrupt), rundir.undone_if_refused():
+            RunDir.create(str(out), locked=True)
+            if put:
+                (out / "notes.txt").write_text("mine")
+            raise KeyboardInterrupt
+        assert os.listdir(tmp_path) == (["new"] if put else [])
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
 def test_the_log_is_on_the_disk_before_the_checkpoint_that_covers_it(tmp_path, monkeypatch):
     """A checkpoint is fsynced; the records of the steps it covers are too, before it: after a crash its resume
     finds them all (a log with a gap would draw a curve, and a card, with steps missing). A resume's trim reaches the
