@@ -367,3 +367,22 @@ def test_bench_peak_memory_leaves_out_the_warm_up(monkeypatch):
 
     (seconds, memory), = bench.interleaved([step], types.SimpleNamespace(type="cuda"), warmup=2, repeats=3)
     assert len(calls) == 5 and memory == 10 and seconds == 4
+
+
+def test_pytorchs_varlen_kernel_without_a_window_counts_as_absent(monkeypatch):
+    """PyTorch 2.10's varlen_attn takes no window_size, so the local layers could not run on it: optional() says
+    there is none (the flash backend is then unavailable where flash-attn is not installed); 2.11's is taken."""
+    from types import SimpleNamespace
+
+    def without_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        return None
+
+    def with_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):
+        return None
+    for kernel, found in ((without_window, None), (with_window, with_window)):
+        monkeypatch.setattr(kernels.importlib, "import_module", lambda name: SimpleNamespace(varlen_attn=kernel))
+        monkeypatch.delitem(kernels.imported, "varlen_attn", raising=False)
+        assert kernels.optional("varlen_attn") is found
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", None)
+    monkeypatch.setitem(kernels.imported, "varlen_attn", None)
+    assert not kernels.Flash.available(torch.device("cuda"))
