@@ -253,7 +253,8 @@ def validation_losses(model, data_dir, seq_len, n_sequences, batch_size, device,
             with cli.autocast(device, dtype):
                 _, loss = model(x.to(device), labels=y, causal=data.OBJECTIVES[objective].causal, doc_ids=docs)
             summed, n = token_sum(loss, y)
-            sums[i, 0], sums[i, 1] = sums[i, 0] + summed, sums[i, 1] + n
+            sums[i, 0] += summed
+            sums[i, 1] += n
     model.train(was_training)
     (mlm, n_mlm), (clm, n_clm) = cli.all_reduce(sums, world).tolist()  # every rank's, one with no batch too
     return {"val_mlm": mlm / max(n_mlm, 1), "val_clm": clm / max(n_clm, 1)}
