@@ -76,6 +76,9 @@ def made_up_texts(path, count, shortest, longest):
     return path
 
 
+FIRST = ("test_train.py", "test_train_inputs.py")  # under pytest-xdist, the files of the longest tests
+
+
 @pytest.hookimpl(trylast=True)  # after -m has deselected
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (gpu-report's suite), each test marked `torchrun` (a training of a minute or more) goes
@@ -83,8 +86,13 @@ def pytest_collection_modifyitems(config, items):
     4) consecutive tests, which run one after another: two such trainings in one hand ran back to back while other
     processes sat idle, past the half of --minutes the suite has. Every process collects, so the order is the same."""
     processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes < 2:
+        return
+    # The files of trainings first (each file kept whole: a module's fixtures are made once): at the end of the
+    # collection, their seconds-long tests queued on one process left the other idle for up to 27 s.
+    items.sort(key=lambda item: os.path.basename(item.nodeid.split("::")[0]) not in FIRST)  # stable: the rest as is
     long = [item for item in items if item.get_closest_marker("torchrun")]
-    if processes < 2 or not long:
+    if not long:
         return
     hand = max(2, len(items) // processes // 4)
     short = [item for item in items if not item.get_closest_marker("torchrun")]

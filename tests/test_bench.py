@@ -228,6 +228,22 @@ def test_gpu_report_shares_the_gpu_among_test_processes(monkeypatch, tmp_path):
         resolve(bench.parser().parse_args(["gpu-report", out, "--workers=2"]))
 
 
+def test_under_xdist_the_training_files_come_first_each_whole(monkeypatch):
+    """conftest.py moves the files of the longest tests (conftest.FIRST) to the front under pytest-xdist, so that
+    none of their seconds-long tests is left queued on one process at the end; each file stays whole (its module
+    fixtures are made once) and the rest keeps pytest's order. One process keeps pytest's order."""
+    import conftest
+    Item = type("Item", (), {"get_closest_marker": lambda self, name: None})
+    names = ["test_a.py::x", "test_a.py::y", "test_train.py::z", "test_b.py::w", "test_train_inputs.py::v"]
+    for processes, expected in (("1", names), ("2", [names[2], names[4], names[0], names[1], names[3]])):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", processes)
+        items = [Item() for _ in names]
+        for item, name in zip(items, names):
+            item.nodeid = f"tests/{name}"
+        conftest.pytest_collection_modifyitems(None, items)
+        assert [item.nodeid.removeprefix("tests/") for item in items] == expected
+
+
 @pytest.mark.parametrize("processes, tests, long", [(12, 116, 11), (8, 116, 11), (4, 30, 3)])
 def test_the_gpu_suite_starts_each_torchrun_test_first_in_a_process_of_its_own(processes, tests, long, monkeypatch):
     """xdist's own load scheduling (the oracle) over the tests as conftest.py orders them under `-n processes`:
