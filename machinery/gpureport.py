@@ -23,7 +23,10 @@ def run_suite(command, results, seconds):
     where it was stopped, seconds it ran)."""
     start = time.monotonic()
     # inductor's compile workers: a couple per test process, so that the processes share the cores
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "2", **os.environ, RESULTS: str(results)}
+    # a pytest session of its own: an xdist worker's variables, where a test runs this, would make the suite's
+    # controller think itself a worker, which records nothing (record)
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "2", **outer, RESULTS: str(results)}
     words = command.split()
     words[0] = sys.executable if words[0] == "python" else words[0]  # this interpreter, whatever PATH says
     process = subprocess.Popen(words, cwd=ROOT, env=env, start_new_session=True)
