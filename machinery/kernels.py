@@ -5,6 +5,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -299,7 +300,7 @@ def deterministic_compiler(on=True, device=None):
 
 
 def compiler_is_deterministic():
-    import torch._inductor.config as inductor
+    inductor = sys.modules.get("torch._inductor.config")  # not imported: nothing set the mode (a CPU run)
     return getattr(inductor, "deterministic", False)
 
 

@@ -185,8 +185,7 @@ def plan(r, total_steps):
     kernel = kernels.BACKENDS[backend].library()
     print(f"model: {r.model.num_params():,} parameters, attention: {backend}" + (f" ({kernel})" if kernel else "")
           + f", blocks {compiled}, loss: {LOSS_WORDS[r.model.loss]}")
-    deterministic = r.device.type != "cuda" or kernels.compiler_is_deterministic()  # inductor runs on CUDA only
-    caveat = kernels.resume_caveat(backend, r.device, deterministic)
+    caveat = kernels.resume_caveat(backend, r.device, kernels.compiler_is_deterministic())
     if caveat:  # what --resume can promise on this machine
         print(f"warning: a --resume of this run continues within rounding, not bit for bit: {caveat}",
               file=sys.stderr)
